@@ -1,0 +1,70 @@
+# Developer entry points. `make install` once, then `make test` or `make demo`.
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cu128   # pick the torch wheel index yourself
+
+PYTHON ?= python3
+VENV := .venv
+VENV_PY := $(VENV)/bin/python
+VENV_PIP := $(VENV_PY) -m pip
+STAMP := $(VENV)/.installed
+
+# Must match the torch pin in pyproject.toml (tests/test_deploy.py checks it).
+TORCH_VERSION := 2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# Empty: CUDA wheel from PyPI when nvidia-smi is present, otherwise a CPU-only wheel.
+TORCH_INDEX ?=
+
+PYTEST_FLAGS ?= -q -ra --durations=15
+
+.PHONY: install demo test protos lint clean clean-all
+
+# Create .venv and install torch, then the package with its dev extra; redone only when pyproject.toml changes.
+install: $(STAMP)
+
+$(VENV_PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch goes first so that pip never resolves the pinned torch to a CUDA build on a CPU-only machine:
+# plain `pip install` is used only when its dry run pulls in no nvidia-* packages (as with a local CPU wheel
+# from pip's configured find-links, or on macOS); otherwise the CPU index is used.
+$(STAMP): pyproject.toml | $(VENV_PY)
+	@if $(VENV_PY) -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
+		echo "torch $(TORCH_VERSION) already installed"; \
+	elif [ -n "$(TORCH_INDEX)" ]; then \
+		set -x; $(VENV_PIP) install --index-url "$(TORCH_INDEX)" torch==$(TORCH_VERSION); \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		set -x; $(VENV_PIP) install torch==$(TORCH_VERSION); \
+	elif $(VENV_PIP) install --dry-run --quiet --report - torch==$(TORCH_VERSION) 2>/dev/null | $(VENV_PY) -c \
+		'import json, sys; sys.exit(any(p["metadata"]["name"].startswith("nvidia-") for p in json.load(sys.stdin)["install"]))'; then \
+		set -x; $(VENV_PIP) install torch==$(TORCH_VERSION); \
+	else \
+		set -x; $(VENV_PIP) install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+	fi
+	$(VENV_PIP) install -e '.[dev]'
+	@touch $@
+
+# End-to-end demo: starts critic and reward servers on loopback, trains the actor, stops the servers.
+demo: install
+	$(VENV_PY) -m actor.demo $(ARGS)
+
+# The test suite, as CI runs it (.ci/run).
+test: install
+	$(VENV_PY) -m pytest $(PYTEST_FLAGS) $(ARGS)
+
+# Regenerate the gRPC stubs in ppo_services/ from proto/ (needs the dev extra's grpcio-tools).
+protos: install
+	$(VENV_PY) scripts/gen_protos.py
+
+# ruff, when installed (it is not part of the dev extra).
+lint:
+	@if [ -x $(VENV)/bin/ruff ]; then $(VENV)/bin/ruff check .; \
+	elif command -v ruff >/dev/null 2>&1; then ruff check .; \
+	else echo "ruff is not installed: skipping lint"; fi
+
+# Remove build outputs and caches; keeps .venv (see clean-all).
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(STAMP)
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+# Also remove the virtual environment.
+clean-all: clean
+	rm -rf $(VENV)

@@ -1,0 +1,42 @@
+"""`python -m actor --config FILE [key=value ...]`: run PPO against the critic and reward servers."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from serving.config import parse_cli
+
+from .clients import IncompatibleServer, RemoteError
+from .config import ActorConfig
+from .data import DataError
+
+FLAGS = {
+    "--http-port": ("http_port", "REST port for /health, /ready, /metrics (0 disables)"),
+    "--host": ("host", "interface of the REST endpoints"),
+    "--run-dir": ("run_dir", "where metrics, TensorBoard events and checkpoints go"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = parse_cli(ActorConfig, argv, "PPO actor: trains the policy against remote critic and reward servers.", FLAGS)
+    from .trainer import PPOTrainer
+
+    try:
+        trainer = PPOTrainer(cfg)
+    except (RemoteError, IncompatibleServer, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        trainer.fit()
+    except RemoteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

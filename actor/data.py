@@ -1,0 +1,78 @@
+"""Prompt data: JSONL files, one object per line with a prompt string. Errors name the file and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+class DataError(ValueError):
+    """A prompt file is missing or malformed; the message names the file and the line."""
+
+
+def resolve_data_file(spec: str) -> Path:
+    """`embedded:prompts_train` / `embedded:prompts_eval` -> the built embedded files; else a path."""
+    if spec.startswith("embedded:"):
+        from embedded import ensure_built
+
+        assets = ensure_built()
+        name = spec.removeprefix("embedded:")
+        if name not in ("prompts_train", "prompts_eval"):
+            raise DataError(f"{spec}: unknown embedded data; expected embedded:prompts_train or embedded:prompts_eval")
+        return getattr(assets, name)
+    return Path(spec)
+
+
+def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[list[int]]:
+    """Token ids of every prompt in a JSONL file (no special tokens added)."""
+    if not path.is_file():
+        raise DataError(f"{path}: prompt file does not exist")
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg}") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(key), str) or not obj[key]:
+                raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r}")
+            ids = tokenizer(obj[key], add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise DataError(f"{path}:{lineno}: prompt tokenizes to nothing")
+            if len(ids) > max_length:
+                raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than data.max_prompt_length={max_length}")
+            prompts.append(ids)
+    if not prompts:
+        raise DataError(f"{path}: no prompts")
+    return prompts
+
+
+class PromptSampler:
+    """Endless epochs over the prompts, reshuffled each epoch by a seeded generator."""
+
+    def __init__(self, prompts: list[list[int]], seed: int, shuffle: bool = True):
+        self.prompts, self.shuffle = prompts, shuffle
+        self.gen = torch.Generator().manual_seed(seed)
+        self.epoch, self.consumed = 0, 0
+        self._order = self._new_order()
+        self._pos = 0
+
+    def _new_order(self) -> list[int]:
+        n = len(self.prompts)
+        return torch.randperm(n, generator=self.gen).tolist() if self.shuffle else list(range(n))
+
+    def take(self, n: int) -> list[list[int]]:
+        out = []
+        while len(out) < n:
+            if self._pos == len(self._order):
+                self.epoch += 1
+                self._order, self._pos = self._new_order(), 0
+            out.append(self.prompts[self._order[self._pos]])
+            self._pos += 1
+        self.consumed += n
+        return out

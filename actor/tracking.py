@@ -1,0 +1,99 @@
+"""Where the actor's per-step metrics go: metrics.jsonl, TensorBoard, a progress bar, reward_curve.png,
+and Prometheus gauges on the actor's own /metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Gauge
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+
+class Timers:
+    """Accumulating wall-clock timers, reported as `timers/<name>` seconds per step."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out = {f"timers/{k}": v for k, v in self.totals.items()}
+        self.totals = {}
+        return out
+
+
+class MetricsTracker:
+    def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True)
+        self.history: list[dict] = []
+        self.gauges = {
+            "step": Gauge("ppo_actor_step", "Last finished PPO step", registry=registry),
+            "train_rollouts/rewards": Gauge("ppo_actor_reward_mean", "Mean reward of the last step's rollouts", registry=registry),
+            "train_rollouts/init_policy_kl": Gauge("ppo_actor_init_policy_kl", "KL to the reference policy", registry=registry),
+            "train_optim/loss": Gauge("ppo_actor_loss", "Actor loss of the last step", registry=registry),
+            "critic/loss": Gauge("ppo_actor_critic_loss", "Critic loss of the last step", registry=registry),
+            "timers/step_time": Gauge("ppo_actor_step_seconds", "Wall-clock seconds of the last step", registry=registry),
+        }
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for k, v in record.items():
+            if k != "step" and math.isfinite(v):
+                self.tb.add_scalar(k, v, step)
+            if k in self.gauges:
+                self.gauges[k].set(v)
+        self.tb.flush()
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{record.get('train_rollouts/rewards', float('nan')):.3f}",
+                             kl=f"{record.get('train_rollouts/init_policy_kl', float('nan')):.3f}",
+                             critic=f"{record.get('critic/loss', float('nan')):.3f}")
+
+    def write(self, text: str) -> None:
+        """Print above the progress bar."""
+        self.bar.write(text)
+
+    def plot_reward_curve(self) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.history]
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+        ax.plot(steps, [r["train_rollouts/rewards"] for r in self.history], marker="o", label="reward (rollouts)")
+        if any("val/rewards" in r for r in self.history):
+            vs = [(r["step"], r["val/rewards"]) for r in self.history if "val/rewards" in r]
+            ax.plot(*zip(*vs), marker="s", label="reward (validation, greedy)")
+        ax.set_xlabel("PPO step")
+        ax.set_ylabel("mean reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = self.run_dir / "reward_curve.png"
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        self.bar.close()
+        self.tb.close()
+        self.jsonl.close()

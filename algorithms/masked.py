@@ -1,0 +1,82 @@
+"""Reductions over the valid (masked-in) entries of a tensor.
+
+Conventions shared by the whole package: ``mask`` is a bool or float tensor that broadcasts to ``x``;
+a nonzero entry marks a valid position (for PPO: a token the policy generated). Invalid positions never
+contribute to a result, even when they hold NaN or inf.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _valid(x: Tensor, mask: Tensor) -> Tensor:
+    """``mask`` as a bool tensor of ``x``'s shape."""
+    return mask.bool().expand_as(x)
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Sum of ``x`` over valid entries.
+
+    Args:
+        x: any float tensor, e.g. [B, T].
+        mask: bool/float, broadcastable to ``x``.
+        dim: dimension(s) to reduce; ``None`` reduces everything to a scalar.
+
+    Returns:
+        ``x.dtype`` tensor with ``dim`` removed (a 0-dim tensor when ``dim`` is None).
+    """
+    # where, not multiply: 0 * NaN in padding would poison the sum
+    kept = torch.where(_valid(x, mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_count(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Number of valid entries of ``x`` (as ``x.dtype``), reduced like :func:`masked_sum`."""
+    valid = _valid(x, mask).to(x.dtype)
+    return valid.sum() if dim is None else valid.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Mean of ``x`` over valid entries; 0 (not NaN) where there are none.
+
+    Shapes and dtype as :func:`masked_sum`.
+    """
+    # clamp the count so an empty mask gives 0 / 1 = 0
+    return masked_sum(x, mask, dim) / masked_count(x, mask, dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False) -> Tensor:
+    """Variance of ``x`` over all valid entries (a 0-dim ``x.dtype`` tensor).
+
+    Biased (divide by n) by default; ``unbiased`` divides by n - 1. Returns 0 when there are too few valid
+    entries to define it (n == 0, or n <= 1 when unbiased) instead of NaN.
+    """
+    centered = x - masked_mean(x, mask)
+    var = masked_mean(centered * centered, mask)
+    if unbiased:
+        n = masked_count(x, mask)
+        var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), torch.zeros_like(var))
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Whiten ``x`` with the mean and biased variance of its valid entries.
+
+    ``(x - mean) * rsqrt(var + eps)``; with ``shift_mean=False`` the mean is added back (only the scale
+    changes). Invalid positions of the result are 0.
+
+    Args:
+        x: float tensor, e.g. advantages [B, T].
+        mask: bool/float, broadcastable to ``x``.
+
+    Returns:
+        Tensor of ``x``'s shape and dtype.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(_valid(x, mask), whitened, torch.zeros((), dtype=x.dtype, device=x.device))

@@ -1,0 +1,26 @@
+"""`python -m critic_server [--port 5555] [--model PATH] [--config FILE] [key=value ...]`."""
+
+from serving.config import parse_cli
+from serving.server import run_service
+
+from .config import CriticConfig
+from .servicer import CriticService
+
+FLAGS = {
+    "--host": ("host", "interface to listen on"),
+    "--port": ("port", "gRPC port"),
+    "--http-port": ("http_port", "REST port for /health, /ready, /metrics"),
+    "--model": ("model", "critic checkpoint: path, hub id or embedded:reward"),
+    "--reward-model": ("reward_model", "combined mode: also serve this reward model"),
+    "--checkpoint-dir": ("checkpoint_dir", "where Save writes checkpoints"),
+    "--device": ("device", "auto, cpu, cuda, cuda:N"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS)
+    run_service(CriticService(cfg))
+
+
+if __name__ == "__main__":
+    main()

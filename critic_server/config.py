@@ -1,0 +1,42 @@
+"""Configuration of the critic server (YAML + dotted overrides; see README "Configuration")."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from serving.config import StrictModel
+from serving.server import ServerConfig
+
+
+class CriticTrainConfig(StrictModel):
+    """How a Train request updates the critic."""
+
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (NeMo-Aligner uses 9e-6 for billion-parameter critics).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    global_batch_size: int = Field(64, ge=1, description="Rows per optimizer step; a Train of B rows takes ceil(B / this) steps.")
+    micro_batch_size: int = Field(16, ge=1, description="Rows per forward/backward pass (gradient accumulation).")
+    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
+    value_clip: float = Field(0.2, ge=0, description="Value-loss clipping range around the old values; 0 disables.")
+    loss_scale: float = Field(1.0, gt=0, description="Multiplier of the value loss.")
+
+
+class CriticConfig(ServerConfig):
+    """`python -m critic_server`: every key, with its default."""
+
+    port: int = Field(5555, ge=0, le=65535, description="gRPC port.")
+    http_port: int = Field(8001, ge=0, le=65535, description="REST port for /health, /ready, /metrics.")
+    model: str = Field(
+        "embedded:reward",
+        description="Critic weights: a Hugging Face checkpoint path or hub id (a sequence-classification model with one "
+        "label, e.g. a reward model, or a causal LM such as the policy, which gets a fresh value head), or "
+        "embedded:reward / embedded:policy for the built-in tiny models.",
+    )
+    reward_model: str | None = Field(
+        None, description="Combined mode: also serve this reward model; Infer then returns rewards as well."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
+    checkpoint_dir: str = Field("checkpoints/critic", description="Where Save writes <checkpoint_dir>/<tag>.")
+    seed: int = Field(1234, description="Seed for the value head's initialisation when the checkpoint has none.")
+    train: CriticTrainConfig = Field(default_factory=CriticTrainConfig)

@@ -1,0 +1,236 @@
+"""The critic's model work, free of gRPC and HTTP: validation, value inference, training, checkpoints.
+
+Every method except the validators runs on the server's single model thread (serving.batching).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from algorithms.losses import value_loss
+from embedded import resolve_model
+from serving.errors import InvalidArgument
+from serving.modeling import (
+    last_token_scores,
+    load_scalar_head_model,
+    load_tokenizer,
+    max_length_of,
+    per_token_scores,
+    vocab_sha256,
+)
+
+from .config import CriticConfig
+
+log = logging.getLogger(__name__)
+
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "critic_state.json"
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def check_tokens(tokens: torch.Tensor, field: str, vocab_size: int, max_length: int) -> None:
+    """tokens must be a non-empty integer [B, S] tensor of ids in [0, vocab_size) with S <= max_length."""
+    if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise InvalidArgument(f"{field}: expected a non-empty [batch, seq_len] tensor, got shape {list(tokens.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise InvalidArgument(f"{field}: expected integer token ids (DTYPE_INT64), got {tokens.dtype}")
+    if tokens.shape[1] > max_length:
+        raise InvalidArgument(f"{field}: sequence length {tokens.shape[1]} exceeds the model's max length {max_length}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidArgument(f"{field}: token ids must lie in [0, {vocab_size}), got range [{lo}, {hi}]")
+
+
+def check_lengths(lengths: torch.Tensor, field: str, batch: int, seq_len: int) -> None:
+    """lengths must be an integer [B] tensor with 1 <= lengths[b] <= S."""
+    if lengths.shape != (batch,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise InvalidArgument(f"{field}: expected integer shape [{batch}], got {lengths.dtype} {list(lengths.shape)}")
+    if int(lengths.min()) < 1 or int(lengths.max()) > seq_len:
+        raise InvalidArgument(f"{field}: every length must lie in [1, {seq_len}], got [{int(lengths.min())}, {int(lengths.max())}]")
+
+
+def check_per_action(t: torch.Tensor, field: str, shape: tuple[int, int], allow_bool: bool = False) -> torch.Tensor:
+    """A finite float [B, S-1] tensor (bool too if allow_bool); returned as float32."""
+    if tuple(t.shape) != shape:
+        raise InvalidArgument(f"{field}: expected shape {list(shape)}, got {list(t.shape)}")
+    if not (t.dtype.is_floating_point or (allow_bool and t.dtype == torch.bool)):
+        raise InvalidArgument(f"{field}: expected a float tensor{' or bool' if allow_bool else ''}, got {t.dtype}")
+    t = t.float()
+    if not torch.isfinite(t).all():
+        raise InvalidArgument(f"{field}: contains NaN or infinity")
+    return t
+
+
+def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
+    """Right-pad [B_i, S_i] tensors to the longest S and concatenate along the batch."""
+    width = max(r.shape[1] for r in rows)
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
+
+
+class CriticCore:
+    def __init__(self, cfg: CriticConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.train_step = 0
+
+    # --- loading --------------------------------------------------------------------------------
+    def load(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        path = resolve_model(cfg.model)
+        self.model = load_scalar_head_model(path, _DTYPES[cfg.dtype]).to(self.device)
+        self.tokenizer = load_tokenizer(path)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_length = max_length_of(self.model)
+        self.vocab_sha256 = vocab_sha256(self.tokenizer)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        if (Path(path) / OPTIMIZER_FILE).is_file():  # resuming from one of our own checkpoints
+            self.optimizer.load_state_dict(torch.load(Path(path) / OPTIMIZER_FILE, map_location=self.device))
+            self.train_step = json.loads((Path(path) / STATE_FILE).read_text())["train_step"]
+        self.model.eval()
+        self.reward_model = None
+        if cfg.reward_model is not None:
+            rm_path = resolve_model(cfg.reward_model)
+            self.reward_model = load_scalar_head_model(rm_path, _DTYPES[cfg.dtype]).to(self.device).eval()
+            self.reward_model.requires_grad_(False)
+            if vocab_sha256(load_tokenizer(rm_path)) != self.vocab_sha256:
+                raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")
+            self.max_length = min(self.max_length, max_length_of(self.reward_model))
+        log.info("critic %s loaded on %s (vocab %d, max length %d, combined RM: %s)",
+                 cfg.model, self.device, self.vocab_size, self.max_length, cfg.reward_model)
+
+    def info(self) -> dict:
+        return {
+            "model": self.cfg.model,
+            "vocab_size": self.vocab_size,
+            "max_length": self.max_length,
+            "train_step": self.train_step,
+            "serves_rewards": self.reward_model is not None,
+            "vocab_sha256": self.vocab_sha256,
+            "max_batch_size": self.cfg.batching.max_batch_size,
+        }
+
+    # --- inference ------------------------------------------------------------------------------
+    def validate_infer(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
+        check_lengths(lengths, "lengths", tokens.shape[0], tokens.shape[1])
+        return tokens.long(), lengths.long()
+
+    @torch.inference_mode()
+    def infer_batch(self, requests: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Values [B_i, S_i] (and rewards [B_i] in combined mode) for each (tokens, lengths) request,
+        computed in forward passes of at most max_batch_size rows."""
+        tokens = pad_and_stack([t for t, _ in requests])
+        lengths = torch.cat([n for _, n in requests])
+        step = self.cfg.batching.max_batch_size
+        values, rewards = [], []
+        for i in range(0, tokens.shape[0], step):
+            tok, n = tokens[i:i + step].to(self.device), lengths[i:i + step].to(self.device)
+            values.append(per_token_scores(self.model, tok, n).cpu())
+            if self.reward_model is not None:
+                rewards.append(last_token_scores(per_token_scores(self.reward_model, tok, n), n).cpu())
+        all_values = torch.cat(values)
+        all_rewards = torch.cat(rewards) if rewards else None
+        out, row = [], 0
+        for t, _ in requests:
+            b, s = t.shape
+            out.append((all_values[row:row + b, :s], None if all_rewards is None else all_rewards[row:row + b]))
+            row += b
+        return out
+
+    # --- training -------------------------------------------------------------------------------
+    def validate_train(self, tokens, returns, old_values, mask) -> tuple[torch.Tensor, ...]:
+        check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
+        b, s = tokens.shape
+        if s < 2:
+            raise InvalidArgument("tokens: need at least 2 positions per row to train on actions")
+        shape = (b, s - 1)
+        returns = check_per_action(returns, "returns", shape)
+        old_values = check_per_action(old_values, "old_values", shape)
+        mask = check_per_action(mask, "mask", shape, allow_bool=True)
+        if not ((mask == 0) | (mask == 1)).all():
+            raise InvalidArgument("mask: entries must be 0 or 1")
+        return tokens.long(), returns, old_values, mask
+
+    def train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor) -> tuple[float, dict[str, float]]:
+        """One pass over the batch: one optimizer step per global batch, micro-batched. A step whose
+        loss or gradient is not finite is skipped, so no request can corrupt the weights."""
+        tc = self.cfg.train
+        self.model.train()
+        losses: list[float] = []
+        sums: dict[str, float] = {}
+        skipped = 0
+        try:
+            for g in range(0, tokens.shape[0], tc.global_batch_size):
+                sl = slice(g, g + tc.global_batch_size)
+                n_tokens = float(mask[sl].sum().clamp(min=1))
+                self.optimizer.zero_grad(set_to_none=True)
+                loss_total = 0.0
+                for m in range(g, min(g + tc.global_batch_size, tokens.shape[0]), tc.micro_batch_size):
+                    ms = slice(m, min(m + tc.micro_batch_size, g + tc.global_batch_size))
+                    tok = tokens[ms].to(self.device)
+                    full = torch.full((tok.shape[0],), tok.shape[1], device=self.device)
+                    values = per_token_scores(self.model, tok, full)[:, :-1]
+                    loss, metrics = value_loss(values, old_values[ms].to(self.device), returns[ms].to(self.device),
+                                               mask[ms].to(self.device), clip=tc.value_clip, scale=tc.loss_scale,
+                                               num_tokens=n_tokens)
+                    loss.backward()
+                    loss_total += float(loss)
+                    weight = float(mask[ms].sum()) / n_tokens
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * weight
+                max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+                if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                self.optimizer.step()
+                self.train_step += 1
+                losses.append(loss_total)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.eval()
+        n_steps = max(len(losses), 1)
+        n_global = math.ceil(tokens.shape[0] / tc.global_batch_size)
+        metrics = {k: v / (n_steps if k == "grad_norm" else n_global) for k, v in sums.items()}
+        metrics.update(lr=self.optimizer.param_groups[0]["lr"], optimizer_steps=len(losses), skipped_steps=skipped)
+        return (sum(losses) / n_steps if losses else float("nan")), metrics
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def validate_tag(self, tag: str) -> str:
+        if not _TAG.match(tag):
+            raise InvalidArgument(f"tag: expected 1-128 characters of letters, digits, '.', '_', '-' "
+                                  f"(not starting with '.' or '-'), got {tag!r}")
+        return tag
+
+    def save(self, tag: str) -> tuple[str, int]:
+        """Write <checkpoint_dir>/<tag> atomically (temp dir, then rename): HF weights + tokenizer +
+        optimizer state + train step. Returns (path, train_step)."""
+        root = Path(self.cfg.checkpoint_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        final, tmp = root / tag, root / f".tmp-{tag}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({"train_step": self.train_step, "model": self.cfg.model}))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return str(final.resolve()), self.train_step

@@ -1,0 +1,140 @@
+"""The embedded default: a tiny tokenizer, SFT policy and reward model, built locally on first use.
+
+The task (see `embedded.task`): prompts are 2-5 topic words and "=>"; responses are positive, negative
+and filler words; the reward is the fraction of positive words. The SFT policy says ~25% positive
+words (mean reward ~0.25), and the reward model is accurate on every positive fraction, so PPO can
+push the policy towards ~0.9 within minutes on a CPU.
+
+    assets = ensure_built()                      # builds once (< 1 min), then reuses the cache
+    resolve_model("embedded:policy")             # -> str path of the SFT policy checkpoint
+    resolve_model("embedded:reward")             # -> str path of the reward-model checkpoint
+    resolve_model("/some/dir") == "/some/dir"    # anything else is returned unchanged
+
+Assets live in `<cache>/embedded-v<N>/`, where <cache> is the `cache_dir` argument, else the
+`PPO_SERVICES_CACHE` environment variable, else `~/.cache/ppo-services`. A build goes into a temporary
+sibling directory that is renamed into place when complete, under a file lock, so processes that
+start together build once and the others wait.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+log = logging.getLogger(__name__)
+
+BUILD_VERSION = 1  # bump whenever the task or the build changes, so stale caches are not reused
+CACHE_ENV = "PPO_SERVICES_CACHE"
+MARKER = "build.json"
+EMBEDDED_PREFIX = "embedded:"
+
+__all__ = ["EmbeddedAssets", "ensure_built", "resolve_model", "default_cache_dir", "CACHE_ENV"]
+
+
+@dataclass(frozen=True)
+class EmbeddedAssets:
+    """Paths of a complete build. `tokenizer` is the policy directory (every model dir has a copy)."""
+
+    root: Path
+    tokenizer: Path
+    policy: Path
+    reward_model: Path
+    prompts_train: Path
+    prompts_eval: Path
+
+    @classmethod
+    def at(cls, root: Path) -> EmbeddedAssets:
+        return cls(
+            root=root,
+            tokenizer=root / "policy",
+            policy=root / "policy",
+            reward_model=root / "reward_model",
+            prompts_train=root / "prompts_train.jsonl",
+            prompts_eval=root / "prompts_eval.jsonl",
+        )
+
+
+def default_cache_dir() -> Path:
+    """`$PPO_SERVICES_CACHE` if set (and non-empty), else `~/.cache/ppo-services`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ppo-services").expanduser()
+
+
+def _is_complete(root: Path) -> bool:
+    return (root / MARKER).is_file()
+
+
+def _file_hashes(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _build_into(cache: Path, root: Path) -> None:
+    """Build into a temporary sibling of `root`, write the marker last, then rename it into place.
+    The caller holds the lock."""
+    from embedded.build import build  # heavy imports (torch, transformers) only when building
+
+    for stale in cache.glob(f".{root.name}.tmp-*"):
+        log.warning("removing an incomplete build left behind: %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    if root.exists():  # a directory without marker: not ours, or damaged
+        log.warning("removing incomplete assets at %s", root)
+        shutil.rmtree(root)
+    tmp = cache / f".{root.name}.tmp-{os.getpid()}"
+    try:
+        build(tmp)
+        marker = {"version": BUILD_VERSION, "files": _file_hashes(tmp)}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> EmbeddedAssets:
+    """Return the embedded assets, building them first unless a complete build is cached.
+
+    Safe to call from several processes at once: one builds (about 30 s on one CPU core), the others
+    block on `<cache>/embedded-v<N>.lock` until it is done and then reuse its result.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = cache / f"embedded-v{BUILD_VERSION}"
+    if _is_complete(root):
+        return EmbeddedAssets.at(root)
+    cache.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(cache / f"{root.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process is building the embedded default in %s; waiting", cache)
+        lock.acquire()
+    try:
+        if not _is_complete(root):
+            log.info("building the embedded default into %s", root)
+            _build_into(cache, root)
+    finally:
+        lock.release()
+    return EmbeddedAssets.at(root)
+
+
+def resolve_model(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """Map `"embedded:policy"` / `"embedded:reward"` to the built checkpoint directories (building them
+    if needed); return any other string (a local path or a hub id) unchanged.
+
+    Raises ValueError for another `"embedded:..."` name, which can only be a typo.
+    """
+    if not spec.startswith(EMBEDDED_PREFIX):
+        return spec
+    name = spec[len(EMBEDDED_PREFIX) :]
+    if name not in ("policy", "reward"):
+        raise ValueError(f"unknown embedded model {spec!r}; expected 'embedded:policy' or 'embedded:reward'")
+    assets = ensure_built(cache_dir)
+    return str(assets.policy if name == "policy" else assets.reward_model)

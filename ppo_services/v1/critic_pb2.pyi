@@ -1,0 +1,89 @@
+from ppo_services.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InferRequest(_message.Message):
+    __slots__ = ("tokens", "lengths")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _tensor_pb2.Tensor
+    lengths: _tensor_pb2.Tensor
+    def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class InferResponse(_message.Message):
+    __slots__ = ("values", "rewards")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    values: _tensor_pb2.Tensor
+    rewards: _tensor_pb2.Tensor
+    def __init__(self, values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class TrainRequest(_message.Message):
+    __slots__ = ("tokens", "returns", "old_values", "mask")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_FIELD_NUMBER: _ClassVar[int]
+    OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    tokens: _tensor_pb2.Tensor
+    returns: _tensor_pb2.Tensor
+    old_values: _tensor_pb2.Tensor
+    mask: _tensor_pb2.Tensor
+    def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class TrainResponse(_message.Message):
+    __slots__ = ("loss", "metrics", "train_step")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    metrics: _containers.ScalarMap[str, float]
+    train_step: int
+    def __init__(self, loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_step: _Optional[int] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("tag",)
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    def __init__(self, tag: _Optional[str] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("path", "train_step")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    train_step: int
+    def __init__(self, path: _Optional[str] = ..., train_step: _Optional[int] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CriticInfo(_message.Message):
+    __slots__ = ("model", "vocab_size", "max_length", "train_step", "serves_rewards", "vocab_sha256", "max_batch_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    SERVES_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    max_length: int
+    train_step: int
+    serves_rewards: bool
+    vocab_sha256: str
+    max_batch_size: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., train_step: _Optional[int] = ..., serves_rewards: _Optional[bool] = ..., vocab_sha256: _Optional[str] = ..., max_batch_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,56 @@
+from ppo_services.v1 import tensor_pb2 as _tensor_pb2
+from ppo_services.v1 import critic_pb2 as _critic_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("tokens", "lengths", "prompt_lengths", "texts", "prompts", "labels")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _tensor_pb2.Tensor
+    lengths: _tensor_pb2.Tensor
+    prompt_lengths: _tensor_pb2.Tensor
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    prompts: _containers.RepeatedScalarFieldContainer[str]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., texts: _Optional[_Iterable[str]] = ..., prompts: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("rewards", "components")
+    class ComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    rewards: _tensor_pb2.Tensor
+    components: _containers.MessageMap[str, _tensor_pb2.Tensor]
+    def __init__(self, rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., components: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ...) -> None: ...
+
+class RewardInfo(_message.Message):
+    __slots__ = ("model", "kind", "vocab_size", "max_length", "vocab_sha256", "components")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    kind: str
+    vocab_size: int
+    max_length: int
+    vocab_sha256: str
+    components: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ...) -> None: ...

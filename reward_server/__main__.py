@@ -1,0 +1,27 @@
+"""`python -m reward_server [--port 5556] [--model PATH | --scorer NAME] [--config FILE] [key=value ...]`."""
+
+from serving.config import parse_cli
+from serving.server import run_service
+
+from .config import RewardConfig
+from .scorers import SCORERS
+
+FLAGS = {
+    "--host": ("host", "interface to listen on"),
+    "--port": ("port", "gRPC port"),
+    "--http-port": ("http_port", "REST port for /health, /ready, /metrics, /get_reward"),
+    "--model": ("model", "reward model checkpoint: path, hub id or embedded:reward"),
+    "--scorer": ("scorer", f"rule-based scorer instead of a model: {', '.join(SCORERS)}"),
+    "--device": ("device", "auto, cpu, cuda, cuda:N"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_cli(RewardConfig, argv, "PPO reward server (rewards over gRPC and POST /get_reward).", FLAGS)
+    from .servicer import RewardService  # torch and transformers load only after the config is valid
+
+    run_service(RewardService(cfg))
+
+
+if __name__ == "__main__":
+    main()

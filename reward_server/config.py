@@ -1,0 +1,58 @@
+"""Configuration of the reward server (YAML + dotted overrides; see README "Configuration")."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from serving.server import ServerConfig
+
+from .scorers import SCORERS
+
+
+def _check_scorer(name: str) -> str:
+    if name not in SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; allowed: {', '.join(sorted(SCORERS))}")
+    return name
+
+
+class RewardConfig(ServerConfig):
+    """`python -m reward_server`: every key, with its default."""
+
+    port: int = Field(5556, ge=0, le=65535, description="gRPC port.")
+    http_port: int = Field(8002, ge=0, le=65535, description="REST port for /health, /ready, /metrics, /get_reward.")
+    model: str = Field(
+        "embedded:reward",
+        description="Learned reward model: a Hugging Face sequence-classification checkpoint with one label (path or "
+        "hub id), or embedded:reward for the built-in tiny model. Ignored when `scorer` is set.",
+    )
+    scorer: str | None = Field(
+        None,
+        description="Rule-based scorer instead of a learned model (no model is loaded): positive_fraction "
+        "(the embedded task's ground truth) or exact_match (response == label; requests must carry labels).",
+    )
+    components: list[str] = Field(
+        default_factory=list,
+        description="Rule scorers computed alongside the reward and returned as components `reward/<name>`, e.g. "
+        "[positive_fraction] to watch a learned model track the ground truth. A component is left out of a "
+        "response whose request lacks what it needs (prompt_lengths with tokens; labels for exact_match).",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer (path, hub id or embedded:<name>) that decodes token ids for rule scorers and tokenizes "
+        "texts for the learned model. Default: the model's own, or embedded:policy's when `scorer` is set.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
+    seed: int = Field(1234, description="torch seed set before loading (a checkpoint without a score head gets a "
+                                        "random one).")
+
+    @field_validator("scorer")
+    @classmethod
+    def _scorer_known(cls, v: str | None) -> str | None:
+        return None if v is None else _check_scorer(v)
+
+    @field_validator("components")
+    @classmethod
+    def _components_known(cls, v: list[str]) -> list[str]:
+        return [_check_scorer(name) for name in v]

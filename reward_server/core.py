@@ -1,0 +1,229 @@
+"""The reward server's model work, free of gRPC and HTTP: validation and scoring.
+
+`validate` runs on the event loop (cheap checks, so a bad request fails alone); `score_batch` runs on the
+server's single model thread (serving.batching), on several merged requests at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+# TODO(shared): moves to serving/validation.py
+from critic_server.core import check_lengths, check_tokens, pad_and_stack, resolve_device
+from embedded import resolve_model
+from serving.errors import InvalidArgument
+from serving.modeling import (
+    last_token_scores,
+    load_scalar_head_model,
+    load_tokenizer,
+    max_length_of,
+    per_token_scores,
+    vocab_sha256,
+)
+
+from .config import RewardConfig
+from .scorers import SCORERS, component_name
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_RULE_TOKENIZER = "embedded:policy"
+_NO_LIMIT = 2**31 - 1  # what rule mode reports as max_length when its tokenizer sets no limit
+
+
+@dataclass
+class ScoreInput:
+    """One validated Score request of `rows` samples. The learned model reads `tokens`/`lengths`; rule scorers
+    read the response of each sample: `responses` (from texts) or `response_ids` (from tokens), None when the
+    request does not say where responses start. `labels` is None when the request carries none."""
+
+    rows: int
+    tokens: torch.Tensor | None = None  # int64 [B, S], right-padded
+    lengths: torch.Tensor | None = None  # int64 [B]
+    responses: list[str] | None = None
+    response_ids: list[list[int]] | None = None
+    labels: list[str] | None = None
+
+
+ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]  # rewards float32 [B], components name -> float32 [B]
+
+
+class RewardCore:
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.model = None
+        # Rule scorers whose results are returned as components: the scorer itself, then the extra ones.
+        self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
+
+    # --- loading --------------------------------------------------------------------------------
+    def load(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        if cfg.scorer is None:
+            path = resolve_model(cfg.model)
+            self.model = load_scalar_head_model(path, _DTYPES[cfg.dtype]).to(self.device).eval()
+            self.model.requires_grad_(False)
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path)
+            self.vocab_size = int(self.model.config.vocab_size)
+            self.max_length = max_length_of(self.model)
+        else:
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER))
+            self.vocab_size = len(self.tokenizer)
+            limit = self.tokenizer.model_max_length
+            self.max_length = int(limit) if limit < _NO_LIMIT else _NO_LIMIT
+        self.vocab_sha256 = vocab_sha256(self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = 0 if pad is None else int(pad)
+        log.info("reward %s loaded on %s (vocab %d, max length %d, components %s)", self.source, self.device,
+                 self.vocab_size, self.max_length, self.component_scorers)
+
+    @property
+    def source(self) -> str:
+        return self.cfg.model if self.cfg.scorer is None else f"rule:{self.cfg.scorer}"
+
+    def info(self) -> dict:
+        return {
+            "model": self.source,
+            "kind": "model" if self.cfg.scorer is None else "rule",
+            "vocab_size": self.vocab_size,
+            "max_length": self.max_length,
+            "vocab_sha256": self.vocab_sha256,
+            "components": [component_name(s) for s in self.component_scorers],
+        }
+
+    # --- validation -----------------------------------------------------------------------------
+    def validate(
+        self,
+        *,
+        tokens: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        prompt_lengths: torch.Tensor | None = None,
+        texts: list[str] | None = None,
+        prompts: list[str] | None = None,
+        labels: list[str] | None = None,
+        texts_field: str = "texts",
+    ) -> ScoreInput:
+        """Check one request and bring it into the form `score_batch` takes. Raises InvalidArgument naming the
+        field. `texts_field` is how the caller's protocol calls the texts (`query` in OpenRLHF's)."""
+        texts, prompts, labels = texts or [], prompts or [], labels or []
+        if (tokens is None) == (not texts):
+            got = "both" if tokens is not None else "neither"
+            raise InvalidArgument(f"tokens, {texts_field}: send exactly one of them, got {got}")
+        if tokens is not None:
+            inp = self._validate_tokens(tokens, lengths, prompt_lengths, prompts)
+        else:
+            inp = self._validate_texts(texts, lengths, prompt_lengths, prompts, texts_field)
+        if labels:
+            _check_count(labels, "labels", inp.rows)
+            inp.labels = list(labels)
+        if self.cfg.scorer is not None and SCORERS[self.cfg.scorer].needs_labels and inp.labels is None:
+            raise InvalidArgument(f"labels: the scorer {self.cfg.scorer} needs one label per sample ({inp.rows})")
+        return inp
+
+    def _validate_tokens(self, tokens, lengths, prompt_lengths, prompts) -> ScoreInput:
+        if prompts:
+            raise InvalidArgument("prompts: only used with texts; with tokens, send prompt_lengths")
+        check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
+        if lengths is None:
+            raise InvalidArgument("lengths: required with tokens")
+        b, s = tokens.shape
+        check_lengths(lengths, "lengths", b, s)
+        tokens, lengths = tokens.long(), lengths.long()
+        inp = ScoreInput(rows=b, tokens=tokens, lengths=lengths)
+        if prompt_lengths is not None:
+            if prompt_lengths.shape != (b,) or prompt_lengths.dtype.is_floating_point or prompt_lengths.dtype == torch.bool:
+                raise InvalidArgument(f"prompt_lengths: expected integer shape [{b}], got "
+                                      f"{prompt_lengths.dtype} {list(prompt_lengths.shape)}")
+            bad = ((prompt_lengths < 0) | (prompt_lengths > lengths)).nonzero()
+            if len(bad):
+                i = int(bad[0, 0])
+                raise InvalidArgument(f"prompt_lengths: every entry must lie in [0, lengths[b]], got "
+                                      f"prompt_lengths[{i}] = {int(prompt_lengths[i])} with lengths[{i}] = {int(lengths[i])}")
+            starts = prompt_lengths.tolist()
+            inp.response_ids = [tokens[i, starts[i]:int(lengths[i])].tolist() for i in range(b)]
+        elif self.cfg.scorer is not None:
+            raise InvalidArgument(f"prompt_lengths: required by the rule scorer {self.cfg.scorer} when tokens are sent")
+        if self.model is None:
+            inp.tokens = inp.lengths = None  # rule mode reads responses only
+        return inp
+
+    def _validate_texts(self, texts, lengths, prompt_lengths, prompts, texts_field) -> ScoreInput:
+        for name, value in (("lengths", lengths), ("prompt_lengths", prompt_lengths)):
+            if value is not None:
+                raise InvalidArgument(f"{name}: only used with tokens")
+        b = len(texts)
+        inp = ScoreInput(rows=b, responses=list(texts))
+        if prompts:
+            _check_count(prompts, "prompts", b)
+            for i, (text, prompt) in enumerate(zip(texts, prompts)):
+                if not text.startswith(prompt):
+                    raise InvalidArgument(f"{texts_field}[{i}]: does not start with prompts[{i}]")
+            inp.responses = [text[len(prompt):] for text, prompt in zip(texts, prompts)]
+        if self.model is not None:
+            inp.tokens, inp.lengths = self._tokenize(texts, texts_field)
+        return inp
+
+    def _tokenize(self, texts: list[str], field: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """texts -> (tokens int64 [B, S] right-padded, lengths int64 [B]); no special tokens are added."""
+        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        for i, row in enumerate(ids):
+            if not row:
+                raise InvalidArgument(f"{field}[{i}]: has no tokens")
+            if len(row) > self.max_length:
+                raise InvalidArgument(f"{field}[{i}]: {len(row)} tokens exceed the model's max length {self.max_length}")
+        lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
+        tokens = torch.full((len(ids), int(lengths.max())), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(ids):
+            tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        check_tokens(tokens, field, self.vocab_size, self.max_length)
+        return tokens, lengths
+
+    # --- scoring --------------------------------------------------------------------------------
+    def score_batch(self, requests: list[ScoreInput]) -> list[ScoreOutput]:
+        """Rewards float32 [B_i] and components for each request. The learned model runs on all requests'
+        rows together, in forward passes of at most max_batch_size rows."""
+        if self.model is not None:
+            rewards = self._model_rewards(requests)
+        else:
+            rewards = [torch.tensor(self._rule_scores(self.cfg.scorer, r), dtype=torch.float32) for r in requests]
+        out = []
+        for req, reward in zip(requests, rewards, strict=True):
+            components = {
+                component_name(name): torch.tensor(scores, dtype=torch.float32)
+                for name in self.component_scorers
+                if (scores := self._rule_scores(name, req)) is not None
+            }
+            out.append((reward, components))
+        return out
+
+    @torch.inference_mode()
+    def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
+        tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
+        lengths = torch.cat([r.lengths for r in requests])
+        step = self.cfg.batching.max_batch_size
+        chunks = []
+        for i in range(0, tokens.shape[0], step):
+            tok, n = tokens[i:i + step].to(self.device), lengths[i:i + step].to(self.device)
+            chunks.append(last_token_scores(per_token_scores(self.model, tok, n), n).cpu())
+        return list(torch.cat(chunks).split([r.rows for r in requests]))
+
+    def _rule_scores(self, name: str, req: ScoreInput) -> list[float] | None:
+        """Scores of rule scorer `name` for each sample, or None when the request lacks what it needs."""
+        scorer = SCORERS[name]
+        if scorer.needs_labels and req.labels is None:
+            return None
+        if req.responses is None and req.response_ids is None:
+            return None
+        if req.responses is None:
+            req.responses = self.tokenizer.batch_decode(req.response_ids, skip_special_tokens=True)
+        labels = req.labels or [None] * req.rows
+        return [scorer.score(response, label) for response, label in zip(req.responses, labels, strict=True)]
+
+
+def _check_count(values: list[str], field: str, rows: int) -> None:
+    if len(values) != rows:
+        raise InvalidArgument(f"{field}: expected one entry per sample ({rows}) or none, got {len(values)}")

@@ -1,0 +1,62 @@
+"""gRPC adapter of the reward core: decode, validate, queue on the model worker, encode."""
+
+from __future__ import annotations
+
+import grpc
+
+from ppo_services.v1 import reward_pb2, reward_pb2_grpc
+from serving.codec import decode, encode
+from serving.server import Service, rpc_method
+
+from .config import RewardConfig
+from .core import RewardCore
+from .rest import add_reward_routes
+
+
+def optional(msg, field: str):
+    return decode(getattr(msg, field), field) if msg.HasField(field) else None
+
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    def __init__(self, service: RewardService):
+        self.service = service
+        self.core = service.core
+        self.metrics = service.metrics
+
+    @rpc_method("Score")
+    async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:
+        worker = self.service.require_ready()
+        inp = self.core.validate(
+            tokens=optional(request, "tokens"),
+            lengths=optional(request, "lengths"),
+            prompt_lengths=optional(request, "prompt_lengths"),
+            texts=list(request.texts),
+            prompts=list(request.prompts),
+            labels=list(request.labels),
+        )
+        rewards, components = await worker.run_batched("Score", inp.rows, inp, self.core.score_batch)
+        reply = reward_pb2.ScoreResponse(rewards=encode(rewards))
+        for name, values in components.items():
+            reply.components[name].CopyFrom(encode(values))
+        return reply
+
+    @rpc_method("GetInfo")
+    async def GetInfo(self, request, context) -> reward_pb2.RewardInfo:
+        self.service.require_ready()
+        return reward_pb2.RewardInfo(**self.core.info())
+
+
+class RewardService(Service):
+    name = "reward"
+
+    def __init__(self, cfg: RewardConfig):
+        super().__init__(cfg)
+        self.core = RewardCore(cfg)
+        add_reward_routes(self)
+
+    def load(self) -> None:
+        self.core.load()
+
+    def add_servicers(self, server: grpc.aio.Server) -> list[str]:
+        reward_pb2_grpc.add_RewardServiceServicer_to_server(RewardServicer(self), server)
+        return [reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name]

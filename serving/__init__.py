@@ -1,0 +1,1 @@
+"""What the critic and reward servers share: tensor codec, model helpers, batching, health, metrics, shutdown."""

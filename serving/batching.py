@@ -1,0 +1,128 @@
+"""The model worker: all model work of a server runs on one thread, in arrival order.
+
+Consecutive requests of the same batchable method are merged into one call of the model (dynamic
+batching): a partial batch is held until it has `max_batch_size` rows or its oldest request waited
+`max_queue_delay`. Exclusive work (a training step, a save) runs alone, so a Train that arrived before
+an Infer is applied before that Infer runs. A bounded queue gives backpressure (Overloaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import NotReady, Overloaded
+from .metrics import ServiceMetrics
+
+
+@dataclass
+class _Work:
+    method: str
+    rows: int
+    payload: Any
+    run: Callable[..., Any]  # batchable: run(list[payload]) -> list[result]; exclusive: run() -> result
+    batchable: bool
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class ModelWorker:
+    def __init__(self, metrics: ServiceMetrics, max_batch_size: int, max_queue_delay_s: float, max_queue_size: int):
+        self.metrics = metrics
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.max_queue_size = max_queue_size
+        self._queue: collections.deque[_Work] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._task: asyncio.Task | None = None
+        self._accepting = True
+        self._busy = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def run_exclusive(self, method: str, fn: Callable[[], Any]) -> Any:
+        """Run fn() alone on the model thread after everything queued before it."""
+        return await self._submit(_Work(method, 0, None, fn, False, asyncio.get_running_loop().create_future()))
+
+    async def run_batched(self, method: str, rows: int, payload: Any, run_batch: Callable[[list], list]) -> Any:
+        """Queue `payload` (`rows` rows); `run_batch` maps a list of payloads to a list of results."""
+        return await self._submit(_Work(method, rows, payload, run_batch, True, asyncio.get_running_loop().create_future()))
+
+    async def _submit(self, work: _Work) -> Any:
+        if not self._accepting:
+            raise NotReady("server is shutting down")
+        if len(self._queue) >= self.max_queue_size:
+            raise Overloaded(f"work queue is full ({self.max_queue_size} requests); retry later")
+        self._queue.append(work)
+        self.metrics.queue_depth.set(len(self._queue))
+        self._wakeup.set()
+        return await work.future
+
+    async def _next(self, timeout: float | None) -> _Work | None:
+        """Wait until the queue is non-empty (or timeout) and return its head without removing it."""
+        while not self._queue:
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                return None
+        return self._queue[0]
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            head = await self._next(None)
+            assert head is not None
+            self._queue.popleft()
+            batch = [head]
+            if head.batchable:
+                rows = head.rows
+                deadline = head.enqueued + self.max_queue_delay_s
+                while rows < self.max_batch_size:
+                    nxt = await self._next(max(0.0, deadline - time.monotonic()))
+                    if nxt is None or not nxt.batchable or nxt.method != head.method:
+                        break
+                    if rows + nxt.rows > self.max_batch_size:
+                        break
+                    batch.append(self._queue.popleft())
+                    rows += nxt.rows
+            self.metrics.queue_depth.set(len(self._queue))
+            now = time.monotonic()
+            for w in batch:
+                self.metrics.queue_time.labels(head.method).observe(now - w.enqueued)
+            live = [w for w in batch if not w.future.cancelled()]
+            if not live:
+                continue
+            self._busy = True
+            try:
+                if head.batchable:
+                    self.metrics.batch_size.labels(head.method).observe(sum(w.rows for w in live))
+                    results = await loop.run_in_executor(self._executor, head.run, [w.payload for w in live])
+                else:
+                    results = [await loop.run_in_executor(self._executor, head.run)]
+                self.metrics.compute_time.labels(head.method).observe(time.monotonic() - now)
+                for w, r in zip(live, results, strict=True):
+                    if not w.future.done():
+                        w.future.set_result(r)
+            except Exception as e:  # delivered to every caller of the failed batch
+                for w in live:
+                    if not w.future.done():
+                        w.future.set_exception(e)
+            finally:
+                self._busy = False
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting work and wait (up to `timeout`) for what is queued or running to finish."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while (self._queue or self._busy) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._task is not None:
+            self._task.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=False)

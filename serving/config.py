@@ -1,0 +1,104 @@
+"""Typed configs: a YAML file plus dotted `key=value` overrides, validated by pydantic at start-up.
+
+A bad key or value fails with a message that names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+Cfg = TypeVar("Cfg", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base of every config section: unknown keys are errors, defaults are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is wrong; the message says which and what is allowed."""
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in nested dict `data`; the value is parsed as YAML (`3`, `true`, `[1, 2]`, `null`)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE with a dotted KEY, e.g. ppo.gamma=0.99")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the config section at `loc` (the parent of an unknown key)."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return sorted(model.model_fields)
+
+
+def format_validation_error(model: type[BaseModel], err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; allowed keys here: {', '.join(_allowed_keys(model, e['loc']))}")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_config(model: type[Cfg], path: str | Path | None = None, overrides: list[str] | None = None) -> Cfg:
+    """Read YAML `path` (optional), apply dotted overrides, validate into `model`."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+        source = str(path)
+    for override in overrides or []:
+        apply_override(data, override)
+    if overrides:
+        source += " + command-line overrides"
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(model, e, source)) from None
+
+
+def parse_cli(
+    model: type[Cfg], argv: list[str] | None, description: str, flags: dict[str, tuple[str, str]]
+) -> Cfg:
+    """Command line of a service: `--config FILE`, the flags in `flags` (`--port` -> config key `port`,
+    with help text), and trailing dotted `key=value` overrides. Exits with status 2 on a config error."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help="YAML config file; every key is documented in the README")
+    for flag, (key, help_text) in flags.items():
+        parser.add_argument(flag, dest=key.replace(".", "__"), default=None, help=f"{help_text} (config key `{key}`)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. ppo.gamma=0.99")
+    args = parser.parse_args(argv)
+    overrides = [f"{key}={v}" for key, _ in flags.values() if (v := getattr(args, key.replace(".", "__"))) is not None]
+    try:
+        return load_config(model, args.config, [*args.overrides, *overrides])
+    except ConfigError as e:
+        parser.exit(2, f"error: {e}\n")

@@ -1,0 +1,33 @@
+"""One typed error hierarchy, mapped to gRPC status codes and HTTP status codes by the adapters."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """Base of every error a server reports to its client on purpose."""
+
+    grpc_code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
+class InvalidArgument(ServiceError):
+    """The request is malformed; the message names the field and what was expected."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class Overloaded(ServiceError):
+    """The work queue is full; retry later."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+
+
+class NotReady(ServiceError):
+    """The model is not loaded yet, or the server is shutting down."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503

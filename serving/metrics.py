@@ -1,0 +1,33 @@
+"""Prometheus metrics every server exports on /metrics, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ServiceMetrics:
+    """Request counts by method and status, latency, queue time, batch size, queue depth.
+
+    Names are prefixed `ppo_<service>_`, e.g. `ppo_critic_requests_total{method="Infer",code="OK"}`.
+    """
+
+    def __init__(self, service: str):
+        self.registry = CollectorRegistry()
+        p = f"ppo_{service}"
+        self.prefix = p
+        self.requests = Counter(f"{p}_requests", "Requests by method and status code", ["method", "code"],
+                                registry=self.registry)
+        self.latency = Histogram(f"{p}_request_duration_seconds", "Time from request arrival to reply",
+                                 ["method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram(f"{p}_queue_duration_seconds", "Time a request waited for the model worker",
+                                    ["method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.compute_time = Histogram(f"{p}_compute_duration_seconds", "Model time per executed batch",
+                                      ["method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram(f"{p}_batch_size", "Rows per executed batch", ["method"],
+                                    buckets=_BATCH_BUCKETS, registry=self.registry)
+        self.queue_depth = Gauge(f"{p}_queue_size", "Requests waiting for the model worker", registry=self.registry)
+        self.ready = Gauge(f"{p}_ready", "1 when the model is loaded and the server accepts work",
+                           registry=self.registry)

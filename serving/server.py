@@ -1,0 +1,173 @@
+"""Running a service: gRPC (with health and reflection) and REST in one event loop, one signal handler.
+
+Start-up: both listeners come up first (liveness answers at once), the model loads in a thread, then
+readiness turns on. SIGTERM/SIGINT: health NOT_SERVING and /ready 503 first, then new RPCs are refused,
+in-flight and queued work finishes within the grace period, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
+import uvicorn
+from fastapi import FastAPI
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import Field
+
+from .batching import ModelWorker
+from .config import StrictModel
+from .errors import NotReady, ServiceError
+from .metrics import ServiceMetrics
+from .rest import QuietUvicorn, add_ops_routes
+
+log = logging.getLogger(__name__)
+
+
+class BatchingConfig(StrictModel):
+    """Dynamic batching of concurrent inference requests."""
+
+    max_batch_size: int = Field(64, ge=1, description="Most rows merged into one forward pass.")
+    max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a partial batch waits for more rows.")
+    max_queue_size: int = Field(1024, ge=1, description="Queued requests beyond which new ones get RESOURCE_EXHAUSTED.")
+
+
+class ServerConfig(StrictModel):
+    """Network and lifecycle settings every server shares."""
+
+    host: str = Field("127.0.0.1", description="Interface to listen on; containers pass 0.0.0.0.")
+    port: int = Field(..., ge=0, le=65535, description="gRPC port.")
+    http_port: int = Field(..., ge=0, le=65535, description="REST port for /health, /ready, /metrics.")
+    max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB (512 x 4096 tokens fit).")
+    grace_period_s: float = Field(30.0, ge=0, description="How long in-flight work may take after SIGTERM.")
+    device: str = Field("auto", description="torch device for the model: auto (cuda if available), cpu, cuda, cuda:N.")
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+
+
+def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
+    """Channel/server options raising gRPC's 4 MiB default message limit on both directions."""
+    size = max_message_mb * 1024 * 1024
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
+def rpc_method(name: str) -> Callable:
+    """Wrap an async servicer method: count and time it, map ServiceError to its gRPC status, and turn any
+    other exception into INTERNAL without taking the server down. The servicer has `.metrics`."""
+
+    def decorate(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(method)
+        async def wrapper(self, request, context: grpc.aio.ServicerContext):
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await method(self, request, context)
+            except ServiceError as e:
+                code = e.grpc_code
+                await context.abort(code, str(e))
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as e:
+                log.exception("%s failed", name)
+                code = grpc.StatusCode.INTERNAL
+                await context.abort(code, f"{name} failed: {type(e).__name__}: {e}")
+            finally:
+                self.metrics.requests.labels(name, code.name).inc()
+                self.metrics.latency.labels(name).observe(time.perf_counter() - start)
+
+        return wrapper
+
+    return decorate
+
+
+class Service:
+    """One server process. Subclasses set up their core, servicers and extra routes."""
+
+    name: str = "service"
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.metrics = ServiceMetrics(self.name)
+        self.worker: ModelWorker | None = None
+        self.ready = False
+        self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None)
+        add_ops_routes(self.app, self.metrics.registry, lambda: self.ready)
+
+    # --- to implement -------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the model (runs in a thread while the listeners are already up)."""
+        raise NotImplementedError
+
+    def add_servicers(self, server: grpc.aio.Server) -> list[str]:
+        """Register gRPC servicers; return their full service names (for health and reflection)."""
+        raise NotImplementedError
+
+    # --- shared ---------------------------------------------------------------------------------
+    def require_ready(self) -> ModelWorker:
+        if not self.ready or self.worker is None:
+            raise NotReady("model is not loaded yet or the server is shutting down")
+        return self.worker
+
+    async def serve(self) -> None:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+        server = grpc.aio.server(options=grpc_options(cfg.max_message_mb))
+        names = self.add_servicers(server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        for n in ["", *names]:
+            await health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
+        bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if bound == 0:
+            raise SystemExit(f"cannot listen on {cfg.host}:{cfg.port} (gRPC)")
+        await server.start()
+
+        http = QuietUvicorn(uvicorn.Config(self.app, host=cfg.host, port=cfg.http_port, log_level="warning",
+                                       lifespan="off"))
+        http_task = asyncio.create_task(http.serve())
+        log.info("%s listening: gRPC %s:%d, HTTP %s:%d", self.name, cfg.host, bound, cfg.host, cfg.http_port)
+
+        load_task = loop.run_in_executor(None, self.load)
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait([load_task, stop_task, http_task], return_when=asyncio.FIRST_COMPLETED)
+        if http_task.done() and not stop.is_set():
+            raise SystemExit(f"HTTP listener on {cfg.host}:{cfg.http_port} failed to start")
+        if load_task.done() and not stop.is_set():
+            load_task.result()  # a failed load raises here and ends the process
+            self.worker = ModelWorker(self.metrics, cfg.batching.max_batch_size,
+                                      cfg.batching.max_queue_delay_ms / 1000, cfg.batching.max_queue_size)
+            self.worker.start()
+            self.ready = True
+            self.metrics.ready.set(1)
+            for n in ["", *names]:
+                await health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING)
+            log.info("%s ready", self.name)
+            await stop.wait()
+
+        log.info("%s shutting down (grace %.0fs)", self.name, cfg.grace_period_s)
+        self.ready = False
+        self.metrics.ready.set(0)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(cfg.grace_period_s)
+        if self.worker is not None:
+            await self.worker.drain(cfg.grace_period_s)
+        http.should_exit = True
+        await http_task
+        log.info("%s stopped", self.name)
+
+
+def run_service(service: Service) -> None:
+    """Entry point of `python -m <server>`: logging, event loop, exit code 0 after a clean shutdown."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(service.serve())

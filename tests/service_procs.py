@@ -1,0 +1,102 @@
+"""Start the real services as subprocesses, with the same `python -m` commands docker-compose.yml runs.
+
+The compose test compares docker-compose.yml against COMMANDS and PORTS below, so what the tests run and
+what the containers run cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Default ports of each service: (gRPC, HTTP). The actor has no gRPC port.
+PORTS = {"critic": (5555, 8001), "reward": (5556, 8002), "actor": (None, 8000)}
+
+
+def service_args(name: str, grpc_port: int | None, http_port: int) -> list[str]:
+    """Arguments after `python` that start service `name` on the given ports (loopback host)."""
+    module = {"critic": "critic_server", "reward": "reward_server", "actor": "actor"}[name]
+    args = ["-m", module]
+    if grpc_port is not None:
+        args += ["--port", str(grpc_port)]
+    return args + ["--http-port", str(http_port)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServiceProcess:
+    """A service started as `python -m ...`; waits for /ready, stops with SIGTERM."""
+
+    def __init__(self, name: str, *extra: str, log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.grpc_port = free_port() if PORTS[name][0] is not None else None
+        self.http_port = free_port()
+        self.argv = [sys.executable, *service_args(name, self.grpc_port, self.http_port), *extra]
+        self.log_path = log_dir / f"{name}-{self.http_port}.log"
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, ready_timeout: float = 180.0) -> "ServiceProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.http}/ready", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"{self.name} not ready after {ready_timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.terminate(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServiceProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

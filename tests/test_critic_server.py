@@ -1,0 +1,228 @@
+"""The critic server as a real subprocess, over real gRPC and HTTP on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import signal
+import time
+
+import grpc
+import httpx
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from ppo_services.v1 import critic_pb2, critic_pb2_grpc
+from serving.codec import encode, decode
+from serving.modeling import load_scalar_head_model, load_tokenizer, per_token_scores, vocab_sha256
+from tests.grpc_helpers import channel, expect_invalid, random_blobs, send_raw
+from tests.service_procs import ServiceProcess
+
+SERVICE = "/ppo_services.v1.CriticService/"
+
+
+@pytest.fixture(scope="module")
+def critic(embedded_cache, log_dir, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("critic-ckpt")
+    with ServiceProcess("critic", "--checkpoint-dir", str(ckpt), "batching.max_queue_delay_ms=200",
+                        "batching.max_batch_size=64", log_dir=log_dir) as proc:
+        proc.ckpt = ckpt
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def stub(critic):
+    ch = channel(critic.address)
+    yield critic_pb2_grpc.CriticServiceStub(ch)
+    ch.close()
+
+
+def batch(seed: int, b: int = 4, s: int = 12, vocab: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, vocab, (b, s), generator=g)
+    lengths = torch.randint(2, s + 1, (b,), generator=g)
+    lengths[0] = s
+    return tokens, lengths
+
+
+def infer(stub, tokens, lengths) -> torch.Tensor:
+    reply = stub.Infer(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=60)
+    return decode(reply.values, "values")
+
+
+def train_request(tokens: torch.Tensor, target: float) -> critic_pb2.TrainRequest:
+    b, s = tokens.shape
+    returns = torch.full((b, s - 1), target)
+    return critic_pb2.TrainRequest(tokens=encode(tokens), returns=encode(returns), old_values=encode(torch.zeros(b, s - 1)),
+                                   mask=encode(torch.ones(b, s - 1)))
+
+
+def test_info_describes_the_embedded_critic(stub, embedded_assets):
+    info = stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30)
+    tok = load_tokenizer(str(embedded_assets.reward_model))
+    assert info.model == "embedded:reward"
+    assert info.vocab_size == len(tok) and info.vocab_sha256 == vocab_sha256(tok)
+    assert info.max_length >= 32 and not info.serves_rewards and info.max_batch_size == 64
+
+
+def test_infer_matches_the_same_weights_in_process(stub, embedded_assets):
+    tokens, lengths = batch(0)
+    remote = infer(stub, tokens, lengths)
+    model = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
+    with torch.no_grad():
+        local = per_token_scores(model, tokens, lengths)
+    assert remote.shape == tokens.shape and remote.dtype == torch.float32
+    torch.testing.assert_close(remote, local, atol=1e-5, rtol=1e-5)
+    assert (remote[1, lengths[1]:] == 0).all()  # padding positions are zero
+
+
+def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
+    requests = [batch(100 + i, b=2, s=6 + i) for i in range(8)]
+    expected = [infer(stub, t, n) for t, n in requests]
+    before = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}')
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda tn: infer(stub, *tn), requests))
+    batches = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}') - before
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    assert batches < len(requests), f"{len(requests)} concurrent requests ran as {batches} batches"
+
+
+def test_a_train_sent_before_an_infer_is_applied_first(stub):
+    tokens, lengths = batch(1)
+    before = infer(stub, tokens, lengths)
+    step0 = stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step
+    train = stub.Train.future(train_request(tokens, 3.0), timeout=120)
+    concurrent_infer = stub.Infer.future(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=120)
+    reply = train.result()
+    seen = decode(concurrent_infer.result().values, "values")
+    after = infer(stub, tokens, lengths)
+    assert reply.train_step == step0 + 1 and reply.loss > 0
+    assert {"grad_norm", "vf_clipfrac", "explained_variance", "lr"} <= set(reply.metrics)
+    assert not torch.allclose(after, before, atol=1e-4)
+    torch.testing.assert_close(seen, after, atol=1e-6, rtol=1e-6)  # the Infer saw the trained weights
+
+
+def test_train_moves_values_toward_returns(stub):
+    tokens, lengths = batch(2, s=10)
+    full = torch.full((4,), 10)
+    start = infer(stub, tokens, full)[:, :-1].mean()
+    for _ in range(5):
+        stub.Train(train_request(tokens, 5.0), timeout=120)
+    end = infer(stub, tokens, full)[:, :-1].mean()
+    assert abs(end - 5.0) < abs(start - 5.0)
+
+
+def test_save_writes_a_checkpoint_transformers_loads(critic, stub):
+    tokens, lengths = batch(3)
+    reply = stub.Save(critic_pb2.SaveRequest(tag="step_7"), timeout=120)
+    assert reply.path.endswith("step_7") and str(critic.ckpt) in reply.path
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(reply.path).eval()
+    with torch.no_grad():
+        local = per_token_scores(model, tokens, lengths)
+    torch.testing.assert_close(infer(stub, tokens, lengths), local, atol=1e-5, rtol=1e-5)
+    assert (critic.ckpt / "step_7" / "optimizer.pt").is_file()
+    assert not list(critic.ckpt.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize(
+    "request_fn, words",
+    [
+        (lambda t, n: critic_pb2.InferRequest(lengths=encode(n)), ["tokens", "required"]),
+        (lambda t, n: critic_pb2.InferRequest(tokens=encode(t.float()), lengths=encode(n)), ["tokens", "integer"]),
+        (lambda t, n: critic_pb2.InferRequest(tokens=encode(t), lengths=encode(n * 0)), ["lengths", "[1, 12]"]),
+        (lambda t, n: critic_pb2.InferRequest(tokens=encode(t), lengths=encode(n[:2])), ["lengths", "shape"]),
+        (lambda t, n: critic_pb2.InferRequest(tokens=encode(t + 10_000), lengths=encode(n)), ["tokens", "token ids"]),
+        (lambda t, n: critic_pb2.InferRequest(tokens=critic_pb2.InferRequest().tokens.__class__(dtype=5, shape=[4, 12], data=b"xx"),
+                                              lengths=encode(n)), ["tokens", "bytes"]),
+    ],
+    ids=["missing-tokens", "float-tokens", "zero-lengths", "lengths-shape", "token-out-of-vocab", "short-data"],
+)
+def test_bad_infer_requests_name_the_field(stub, request_fn, words):
+    tokens, lengths = batch(4)
+    expect_invalid(stub.Infer, request_fn(tokens, lengths), *words)
+
+
+def test_a_realistic_batch_fits_the_transport(stub):
+    """512 x 4096 int64 tokens is 16 MiB, four times gRPC's default limit: it must reach the validator."""
+    tokens = torch.zeros(512, 4096, dtype=torch.long)
+    details = expect_invalid(stub.Infer, critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(torch.full((512,), 4096))))
+    assert "max length" in details
+
+
+def test_bad_train_requests_leave_the_weights_alone(stub):
+    tokens, lengths = batch(5)
+    before, step = infer(stub, tokens, lengths), stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step
+    nan = train_request(tokens, float("nan"))
+    expect_invalid(stub.Train, nan, "returns", "NaN")
+    bad_mask = train_request(tokens, 1.0)
+    bad_mask.mask.CopyFrom(encode(torch.ones(4, 3)))
+    expect_invalid(stub.Train, bad_mask, "mask", "shape")
+    expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="../escape"), "tag")
+    expect_invalid(stub.Save, critic_pb2.SaveRequest(), "tag")
+    assert stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step == step
+    torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
+
+
+def test_random_bytes_to_every_rpc_get_an_error_and_change_nothing(critic, stub):
+    tokens, lengths = batch(6)
+    before, step = infer(stub, tokens, lengths), stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step
+    ch = channel(critic.address)
+    for method in ("Infer", "Train", "Save", "GetInfo"):
+        for blob in random_blobs():
+            assert send_raw(ch, SERVICE + method, blob) != grpc.StatusCode.OK, (method, blob[:16])
+    health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step == step
+    torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
+    assert list(critic.ckpt.iterdir()) == [] or all(p.name == "step_7" for p in critic.ckpt.iterdir())
+    ch.close()
+
+
+def test_health_reflection_and_rest_endpoints(critic):
+    ch = channel(critic.address)
+    for service in ("", "ppo_services.v1.CriticService"):
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    names = {s.name for a in answers for s in a.list_services_response.service}
+    assert {"ppo_services.v1.CriticService", "grpc.health.v1.Health"} <= names
+    ch.close()
+    assert httpx.get(f"{critic.http}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{critic.http}/ready").status_code == 200
+    text = httpx.get(f"{critic.http}/metrics").text
+    for name in ("ppo_critic_requests_total", "ppo_critic_request_duration_seconds_bucket",
+                 "ppo_critic_queue_duration_seconds_bucket", "ppo_critic_batch_size_bucket",
+                 "ppo_critic_train_steps", "ppo_critic_last_loss"):
+        assert name in text, name
+    assert re.search(r'ppo_critic_requests_total\{code="INVALID_ARGUMENT",method="Infer"\} [1-9]', text) or \
+        re.search(r'ppo_critic_requests_total\{method="Infer",code="INVALID_ARGUMENT"\} [1-9]', text)
+
+
+def test_sigterm_finishes_in_flight_work_and_exits_zero(embedded_cache, log_dir):
+    proc = ServiceProcess("critic", "--checkpoint-dir", str(log_dir / "ckpt-sigterm"), log_dir=log_dir).start()
+    ch = channel(proc.address)
+    stub = critic_pb2_grpc.CriticServiceStub(ch)
+    tokens, _ = batch(8, b=1024, s=48)
+    pending = [stub.Train.future(train_request(tokens, 1.0), timeout=120) for _ in range(4)]
+    # SIGTERM once the server holds work: one Train running and at least one queued behind it.
+    deadline = time.monotonic() + 60
+    while _metric(proc, "ppo_critic_queue_size") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not all(p.done() for p in pending), "the Trains finished before SIGTERM; make them larger"
+    proc.proc.send_signal(signal.SIGTERM)
+    assert all(p.result().train_step > 0 for p in pending)  # accepted work completes
+    assert proc.terminate(60) == 0
+    ch.close()
+    assert "shutting down" in proc.log() and "stopped" in proc.log()
+
+
+def _metric(proc: ServiceProcess, pattern: str) -> float:
+    text = httpx.get(f"{proc.http}/metrics").text
+    m = re.search(pattern + r" ([0-9.e+]+)", text)
+    return float(m.group(1)) if m else 0.0

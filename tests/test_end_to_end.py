@@ -1,0 +1,118 @@
+"""The whole system: real critic and reward servers as subprocesses, the actor as `python -m actor`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from ppo_services.v1 import critic_pb2, critic_pb2_grpc
+from serving.codec import decode, encode
+from serving.modeling import last_token_scores, load_scalar_head_model, per_token_scores
+from tests.grpc_helpers import channel
+from tests.service_procs import ROOT, ServiceProcess, free_port
+
+REQUIRED = ["step", "train_rollouts/rewards", "train_rollouts/init_policy_kl", "train_optim/loss", "critic/loss",
+            "timers/rollout_time", "timers/generate", "timers/logprobs", "timers/init_logprobs", "timers/critic_wait",
+            "timers/train_time"]
+TWO_STEPS = ["max_steps=2", "save_interval=0", "val_check_interval=0", "ppo.num_rollout_samples=16",
+             "ppo.rollout_micro_batch_size=8", "ppo.global_batch_size=8", "ppo.micro_batch_size=8", "log_samples=2"]
+
+
+def run_actor(run_dir, *overrides: str, http_port: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", str(http_port),
+           f"run_dir={run_dir}", *TWO_STEPS, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def servers(embedded_cache, log_dir, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("critic-ckpt")
+    with ServiceProcess("critic", "--checkpoint-dir", str(ckpt), log_dir=log_dir) as critic, \
+            ServiceProcess("reward", "components=[positive_fraction]", log_dir=log_dir) as reward:
+        yield critic, reward
+
+
+def test_actor_trains_two_steps_and_writes_metrics_and_checkpoints(servers, tmp_path):
+    critic, reward = servers
+    port = free_port()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", str(port),
+           f"run_dir={run_dir}", *TWO_STEPS, f"critic.address={critic.address}", f"reward.address={reward.address}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready_seen = False
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                ready_seen = "ppo_actor_step" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert ready_seen, "the actor's /ready and /metrics never answered while it trained"
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in REQUIRED:
+        assert all(key in r for r in rows), key
+    assert 0.0 <= rows[0]["train_rollouts/rewards"] <= 1.0
+    assert "train_rollouts/reward/positive_fraction" in rows[0]
+    assert rows[1]["critic/train_step"] > rows[0]["critic/train_step"]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert "samples before training" in out and "samples after training" in out
+
+    meta = json.loads((run_dir / "checkpoints" / "step_2" / "checkpoint.json").read_text())
+    actor = AutoModelForCausalLM.from_pretrained(meta["actor"])
+    assert actor.config.vocab_size > 0
+    critic_model = AutoModelForSequenceClassification.from_pretrained(meta["critic"])
+    assert critic_model.config.num_labels == 1
+    assert not list((run_dir / "checkpoints").glob("tmp_*"))
+
+
+def test_actor_fails_clearly_when_the_critic_is_unreachable(servers, tmp_path):
+    _, reward = servers
+    dead = f"127.0.0.1:{free_port()}"
+    result = run_actor(tmp_path / "run", f"critic.address={dead}", "critic.connect_timeout_s=2",
+                       f"reward.address={reward.address}", timeout=120)
+    assert result.returncode == 1
+    assert f"cannot reach the critic server at {dead}" in result.stderr and "critic.address" in result.stderr
+
+
+def test_actor_rejects_a_bad_config_key_naming_it(tmp_path):
+    result = run_actor(tmp_path / "run", "ppo.gama=0.9", timeout=60)
+    assert result.returncode == 2
+    assert "ppo.gama" in result.stderr and "gamma" in result.stderr
+    result = run_actor(tmp_path / "run", "ppo.kl_estimator=k9", timeout=60)
+    assert result.returncode == 2 and "ppo.kl_estimator" in result.stderr and "'k1'" in result.stderr
+
+
+def test_combined_reward_and_critic_server(embedded_cache, embedded_assets, log_dir, tmp_path):
+    """NeMo-Aligner's default layout: one server gives values and rewards; the actor trains against it."""
+    with ServiceProcess("critic", "--reward-model", "embedded:reward", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        log_dir=log_dir) as critic:
+        ch = channel(critic.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        assert stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).serves_rewards
+        tokens = torch.randint(4, 20, (3, 9), generator=torch.Generator().manual_seed(0))
+        lengths = torch.tensor([9, 5, 7])
+        reply = stub.Infer(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=60)
+        rm = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
+        with torch.no_grad():
+            expected = last_token_scores(per_token_scores(rm, tokens, lengths), lengths)
+        torch.testing.assert_close(decode(reply.rewards, "rewards"), expected, atol=1e-5, rtol=1e-5)
+        ch.close()
+
+        result = run_actor(tmp_path / "run", f"critic.address={critic.address}", "reward.source=critic")
+        assert result.returncode == 0, result.stdout + result.stderr
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all("critic/loss" in r for r in rows)

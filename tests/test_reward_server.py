@@ -1,0 +1,389 @@
+"""The reward server as its users meet it: `python -m reward_server`, its gRPC API and POST /get_reward."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+
+import grpc
+import httpx
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from embedded import resolve_model, task
+from ppo_services.v1 import reward_pb2, reward_pb2_grpc
+from reward_server.config import RewardConfig
+from reward_server.core import RewardCore
+from serving.codec import decode, encode
+from serving.errors import InvalidArgument
+from serving.modeling import (
+    last_token_scores,
+    load_scalar_head_model,
+    load_tokenizer,
+    per_token_scores,
+    vocab_sha256,
+)
+from serving.server import grpc_options
+from tests.service_procs import ROOT, ServiceProcess
+
+SCORE = "/ppo_services.v1.RewardService/Score"
+GET_INFO = "/ppo_services.v1.RewardService/GetInfo"
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(embedded_cache, log_dir):
+    """The default learned reward model; a long batching delay so concurrent calls are merged for sure."""
+    extra = ("components=[positive_fraction]", "batching.max_queue_delay_ms=100")
+    with ServiceProcess("reward", *extra, log_dir=log_dir, env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def rule_server(embedded_cache, log_dir):
+    with ServiceProcess("reward", "--scorer", "positive_fraction", log_dir=log_dir,
+                        env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as proc:
+        yield proc
+
+
+def open_stub(proc: ServiceProcess):
+    channel = grpc.insecure_channel(proc.address, options=grpc_options(64))
+    return channel, reward_pb2_grpc.RewardServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    channel, stub = open_stub(server)
+    yield stub
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def rule_stub(rule_server):
+    channel, stub = open_stub(rule_server)
+    yield stub
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_cache):
+    return load_tokenizer(resolve_model("embedded:reward"))
+
+
+@pytest.fixture(scope="module")
+def reference_model(embedded_cache):
+    """The same weights, in this process."""
+    return load_scalar_head_model(resolve_model("embedded:reward")).eval()
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def make_samples(seed: int, n: int) -> list[tuple[str, str]]:
+    """(prompt, response) pairs of the embedded task, responses ended with <eos> half the time."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = task.sample_response(rng, rng.random()) + ([task.EOS] if rng.random() < 0.5 else [])
+        out.append((task.make_prompt(rng), " ".join(words)))
+    return out
+
+
+def encode_samples(tokenizer, samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens int64 [B, S] right-padded, lengths [B], prompt_lengths [B]) of prompt + response."""
+    rows = [tokenizer(f"{p} {r}", add_special_tokens=False)["input_ids"] for p, r in samples]
+    prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p, _ in samples]
+    lengths = torch.tensor([len(r) for r in rows])
+    tokens = torch.full((len(rows), int(lengths.max()) + 3), tokenizer.pad_token_id)  # extra padding on purpose
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = torch.tensor(row)
+    return tokens, lengths, torch.tensor(prompt_lengths)
+
+
+def token_request(tokenizer, samples, with_prompt_lengths: bool = True) -> reward_pb2.ScoreRequest:
+    tokens, lengths, prompt_lengths = encode_samples(tokenizer, samples)
+    req = reward_pb2.ScoreRequest(tokens=encode(tokens), lengths=encode(lengths))
+    if with_prompt_lengths:
+        req.prompt_lengths.CopyFrom(encode(prompt_lengths))
+    return req
+
+
+@torch.inference_mode()
+def expected_rewards(model, tokenizer, samples) -> torch.Tensor:
+    tokens, lengths, _ = encode_samples(tokenizer, samples)
+    return last_token_scores(per_token_scores(model, tokens, lengths), lengths)
+
+
+def truth(samples) -> torch.Tensor:
+    return torch.tensor([task.positive_fraction(r) for _, r in samples])
+
+
+def batch_size_stats(proc: ServiceProcess, method: str = "Score") -> tuple[float, float]:
+    """(number of executed batches, total rows) from the batch-size histogram on /metrics."""
+    text = httpx.get(f"{proc.http}/metrics").text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name.startswith("ppo_reward_batch_size") and s.labels.get("method") == method}
+    return values.get("ppo_reward_batch_size_count", 0.0), values.get("ppo_reward_batch_size_sum", 0.0)
+
+
+def request_count(proc: ServiceProcess, method: str, code: str) -> float:
+    text = httpx.get(f"{proc.http}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "ppo_reward_requests_total" and s.labels == {"method": method, "code": code})
+
+
+# --- learned reward model -----------------------------------------------------------------------
+
+
+def test_get_info(stub, tokenizer):
+    info = stub.GetInfo(reward_pb2.GetInfoRequest())
+    assert info.model == "embedded:reward"
+    assert info.kind == "model"
+    assert info.vocab_size == len(task.VOCAB)
+    assert info.max_length == 64
+    assert info.vocab_sha256 == vocab_sha256(tokenizer)
+    assert list(info.components) == ["reward/positive_fraction"]
+
+
+def test_score_tokens_matches_in_process_model(stub, tokenizer, reference_model):
+    samples = make_samples(seed=1, n=6)
+    reply = stub.Score(token_request(tokenizer, samples))
+    rewards = decode(reply.rewards, "rewards")
+    assert rewards.dtype == torch.float32 and rewards.shape == (6,)
+    torch.testing.assert_close(rewards, expected_rewards(reference_model, tokenizer, samples), atol=1e-5, rtol=0)
+    # The ground truth rides along as a component, computed on the response part only.
+    assert set(reply.components) == {"reward/positive_fraction"}
+    torch.testing.assert_close(decode(reply.components["reward/positive_fraction"], "c"), truth(samples))
+
+
+def test_score_without_prompt_lengths_has_no_components(stub, tokenizer):
+    reply = stub.Score(token_request(tokenizer, make_samples(seed=2, n=2), with_prompt_lengths=False))
+    assert decode(reply.rewards, "rewards").shape == (2,)
+    assert dict(reply.components) == {}
+
+
+def test_score_texts_equals_score_tokens(stub, tokenizer):
+    samples = make_samples(seed=3, n=5)
+    by_tokens = stub.Score(token_request(tokenizer, samples))
+    by_texts = stub.Score(reward_pb2.ScoreRequest(texts=[f"{p} {r}" for p, r in samples],
+                                                  prompts=[f"{p} " for p, _ in samples]))
+    torch.testing.assert_close(decode(by_texts.rewards, "r"), decode(by_tokens.rewards, "r"), atol=1e-6, rtol=0)
+    torch.testing.assert_close(decode(by_texts.components["reward/positive_fraction"], "c"), truth(samples))
+
+
+def test_concurrent_scores_are_merged_and_correct(server, stub, tokenizer, reference_model):
+    batches = [make_samples(seed=100 + i, n=2) for i in range(8)]
+    expected = [expected_rewards(reference_model, tokenizer, b) for b in batches]
+    results: list[torch.Tensor | None] = [None] * len(batches)
+    barrier = threading.Barrier(len(batches))
+
+    def call(i: int) -> None:
+        request = token_request(tokenizer, batches[i])
+        barrier.wait()
+        results[i] = decode(stub.Score(request, timeout=30).rewards, "rewards")
+
+    count_before, rows_before = batch_size_stats(server)
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected, strict=True):
+        assert got is not None
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    count_after, rows_after = batch_size_stats(server)
+    assert rows_after - rows_before == 16
+    assert count_after - count_before < len(batches), "no two Score calls were merged into one batch"
+
+
+def test_get_reward_speaks_openrlhf_protocol(server, stub):
+    samples = make_samples(seed=4, n=3)
+    body = {"query": [f"{p} {r}" for p, r in samples], "prompts": [f"{p} " for p, _ in samples],
+            "labels": ["", "", ""]}
+    before = request_count(server, "get_reward", "OK")
+    response = httpx.post(f"{server.http}/get_reward", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert set(out) == {"rewards", "scores", "extra_logs"}
+    assert out["rewards"] == out["scores"] and len(out["rewards"]) == 3
+    assert all(isinstance(v, float) for v in out["rewards"])
+    assert out["extra_logs"] == {"reward/positive_fraction": pytest.approx(truth(samples).tolist())}
+    grpc_reply = stub.Score(reward_pb2.ScoreRequest(texts=body["query"]))
+    assert out["rewards"] == pytest.approx(decode(grpc_reply.rewards, "r").tolist(), abs=1e-6)
+    assert request_count(server, "get_reward", "OK") == before + 1
+
+
+def _requests_with_errors(tokenizer) -> list[tuple[str, reward_pb2.ScoreRequest, str]]:
+    samples = make_samples(seed=5, n=2)
+    tokens, lengths, prompt_lengths = encode_samples(tokenizer, samples)
+
+    def tok(**fields) -> reward_pb2.ScoreRequest:
+        base = {"tokens": encode(tokens), "lengths": encode(lengths)}
+        return reward_pb2.ScoreRequest(**{**base, **fields})
+
+    unknown = tokens.clone()
+    unknown[0, 0] = len(task.VOCAB) + 7
+    return [
+        ("neither", reward_pb2.ScoreRequest(), "tokens, texts"),
+        ("both", tok(texts=["good", "bad"]), "tokens, texts"),
+        ("lengths missing", reward_pb2.ScoreRequest(tokens=encode(tokens)), "lengths"),
+        ("lengths too long", tok(lengths=encode(lengths + 100)), "lengths"),
+        ("lengths zero", tok(lengths=encode(torch.zeros_like(lengths))), "lengths"),
+        ("lengths count", tok(lengths=encode(lengths[:1])), "lengths"),
+        ("prompt_lengths > lengths", tok(prompt_lengths=encode(lengths + 1)), "prompt_lengths"),
+        ("prompt_lengths < 0", tok(prompt_lengths=encode(-prompt_lengths)), "prompt_lengths"),
+        ("float tokens", tok(tokens=encode(tokens.float())), "tokens"),
+        ("unknown token id", tok(tokens=encode(unknown)), "tokens"),
+        ("negative token id", tok(tokens=encode(-tokens)), "tokens"),
+        ("1-d tokens", tok(tokens=encode(tokens[0])), "tokens"),
+        ("labels count", tok(labels=["a"]), "labels"),
+        ("prompts with tokens", tok(prompts=["a", "b"]), "prompts"),
+        ("prompts count", reward_pb2.ScoreRequest(texts=["good", "bad"], prompts=["x"]), "prompts"),
+        ("prompt not a prefix", reward_pb2.ScoreRequest(texts=["good", "bad"], prompts=["", "sad"]), "texts[1]"),
+        ("labels count (texts)", reward_pb2.ScoreRequest(texts=["good"], labels=["a", "b"]), "labels"),
+        ("text too long", reward_pb2.ScoreRequest(texts=["good", "good " * 65]), "texts[1]"),
+        ("empty text", reward_pb2.ScoreRequest(texts=["", "good"]), "texts[0]"),
+        ("lengths with texts", reward_pb2.ScoreRequest(texts=["good"], lengths=encode(torch.tensor([1]))), "lengths"),
+    ]
+
+
+def test_bad_requests_are_invalid_argument_naming_the_field(stub, tokenizer):
+    for name, request, field in _requests_with_errors(tokenizer):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert err.value.details().startswith(field), (name, err.value.details())
+
+
+def test_wrong_wire_tensor_is_invalid_argument(stub):
+    bad = encode(torch.ones(2, 3, dtype=torch.int64))
+    bad.data = bad.data[:-1]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Score(reward_pb2.ScoreRequest(tokens=bad, lengths=encode(torch.tensor([3, 3]))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("tokens:")
+
+
+@pytest.mark.parametrize("body, status, field", [
+    ({"query": "good"}, 422, None),
+    ({"prompts": ["x"]}, 422, None),
+    ({"query": [1, 2]}, 422, None),
+    ({"query": []}, 400, "query"),
+    ({"query": ["good", "bad"], "labels": ["a"]}, 400, "labels"),
+    ({"query": ["good", "bad"], "prompts": ["x", "y"]}, 400, "query[0]"),
+    ({"query": ["good " * 65]}, 400, "query[0]"),
+])
+def test_get_reward_rejects_bad_bodies(server, body, status, field):
+    response = httpx.post(f"{server.http}/get_reward", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    if field is not None:
+        assert response.json()["detail"].startswith(field)
+
+
+def test_get_reward_rejects_non_json(server):
+    response = httpx.post(f"{server.http}/get_reward", content=b"\x00not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500
+
+
+def test_random_bytes_get_an_error_and_leave_the_server_serving(server, stub, tokenizer):
+    samples = make_samples(seed=6, n=3)
+    before = decode(stub.Score(token_request(tokenizer, samples)).rewards, "r")
+    channel = grpc.insecure_channel(server.address)
+    rng = random.Random(0)
+    blobs = [rng.randbytes(n) for n in (1, 7, 64, 500, 4096)]
+    for path, message in ((SCORE, reward_pb2.ScoreRequest), (GET_INFO, reward_pb2.GetInfoRequest)):
+        raw = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+        for blob in blobs:
+            try:
+                message.FromString(blob)
+                parses = True
+            except DecodeError:
+                parses = False
+            if parses and path == GET_INFO:  # an empty message with unknown fields: a valid GetInfo
+                raw(blob, timeout=30)
+                continue
+            with pytest.raises(grpc.RpcError) as err:
+                raw(blob, timeout=30)
+            assert err.value.code() != grpc.StatusCode.OK
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+    after = decode(stub.Score(token_request(tokenizer, samples)).rewards, "r")
+    assert torch.equal(before, after)
+
+
+def test_ops_endpoints(server):
+    assert httpx.get(f"{server.http}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.http}/ready").status_code == 200
+    metrics = httpx.get(f"{server.http}/metrics").text
+    assert 'ppo_reward_requests_total{code="OK",method="Score"}' in metrics
+    assert 'ppo_reward_requests_total{code="INVALID_ARGUMENT",method="get_reward"}' in metrics
+    assert "ppo_reward_ready 1.0" in metrics
+
+
+# --- rule-based scorer --------------------------------------------------------------------------
+
+
+def test_rule_scorer_info(rule_stub, tokenizer):
+    info = rule_stub.GetInfo(reward_pb2.GetInfoRequest())
+    assert (info.model, info.kind) == ("rule:positive_fraction", "rule")
+    assert info.vocab_size == len(task.VOCAB)
+    assert info.vocab_sha256 == vocab_sha256(tokenizer)
+    assert list(info.components) == ["reward/positive_fraction"]
+
+
+def test_rule_scorer_scores_hand_written_responses(rule_server, rule_stub, tokenizer):
+    samples = [
+        ("river castle =>", "good bad the great"),  # 2 of 4 positive
+        ("ocean =>", "amazing <eos>"),  # special tokens do not count
+        ("city desert =>", "sad awful"),
+        ("forest =>", "good good good kind so"),
+    ]
+    want = [0.5, 1.0, 0.0, 0.8]
+    by_tokens = rule_stub.Score(token_request(tokenizer, samples))
+    assert decode(by_tokens.rewards, "r").tolist() == pytest.approx(want, abs=0)
+    by_texts = rule_stub.Score(reward_pb2.ScoreRequest(texts=[f"{p} {r}" for p, r in samples],
+                                                       prompts=[p for p, _ in samples]))
+    assert decode(by_texts.rewards, "r").tolist() == pytest.approx(want, abs=0)
+    assert decode(by_texts.components["reward/positive_fraction"], "c").tolist() == pytest.approx(want, abs=0)
+    out = httpx.post(f"{rule_server.http}/get_reward", json={"query": [r for _, r in samples]}, timeout=30).json()
+    assert out["rewards"] == pytest.approx(want, abs=0)
+
+
+def test_rule_scorer_needs_prompt_lengths_with_tokens(rule_stub, tokenizer):
+    with pytest.raises(grpc.RpcError) as err:
+        rule_stub.Score(token_request(tokenizer, make_samples(seed=7, n=2), with_prompt_lengths=False))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("prompt_lengths")
+
+
+def test_exact_match_compares_the_response_with_the_label(embedded_cache):
+    core = RewardCore(RewardConfig(scorer="exact_match", device="cpu"))
+    core.load()
+    inp = core.validate(texts=["what is 6 x 7? 42 ", "what is 6 x 7? 41"], prompts=["what is 6 x 7?"] * 2,
+                        labels=["42", "42"])
+    [(rewards, components)] = core.score_batch([inp])
+    assert rewards.tolist() == [1.0, 0.0]
+    assert components["reward/exact_match"].tolist() == [1.0, 0.0]
+    with pytest.raises(InvalidArgument, match="^labels"):
+        core.validate(texts=["42"])
+
+
+def test_unknown_scorer_exits_2_listing_the_scorers(embedded_cache):
+    proc = subprocess.run([sys.executable, "-m", "reward_server", "--scorer", "nonsense"], cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "scorer" in proc.stderr and "nonsense" in proc.stderr
+    assert "exact_match" in proc.stderr and "positive_fraction" in proc.stderr
+
+
+def test_sigterm_exits_zero(rule_server):
+    assert rule_server.terminate() == 0
