@@ -21,7 +21,11 @@ FLAGS = {
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_cli(ActorConfig, argv, "PPO actor: trains the policy against remote critic and reward servers.", FLAGS)
+    import transformers
+
     from .trainer import PPOTrainer
+
+    transformers.utils.logging.disable_progress_bar()
 
     try:
         trainer = PPOTrainer(cfg)

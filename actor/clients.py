@@ -9,7 +9,7 @@ from typing import Callable, Generic, TypeVar
 import grpc
 import torch
 
-from ppo_services.v1 import critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
+from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
 from serving.server import grpc_options
 
@@ -79,7 +79,7 @@ class CriticClient:
         self.what = f"critic server {cfg.address}"
 
     def info(self) -> critic_pb2.CriticInfo:
-        return _call(f"{self.what} GetInfo", self.stub.GetInfo, critic_pb2.GetInfoRequest(), self.cfg.timeout_s)
+        return _call(f"{self.what} GetInfo", self.stub.GetInfo, common_pb2.GetInfoRequest(), self.cfg.timeout_s)
 
     def infer(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Pending[tuple[torch.Tensor, torch.Tensor | None]]:
         """Values float32 [B, S] (and rewards [B] from a combined server, else None)."""
@@ -112,7 +112,7 @@ class RewardClient:
         self.what = f"reward server {cfg.address}"
 
     def info(self) -> reward_pb2.RewardInfo:
-        return _call(f"{self.what} GetInfo", self.stub.GetInfo, critic_pb2.GetInfoRequest(), self.cfg.timeout_s)
+        return _call(f"{self.what} GetInfo", self.stub.GetInfo, common_pb2.GetInfoRequest(), self.cfg.timeout_s)
 
     def score(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor) -> Pending[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Rewards float32 [B] and named components {name: [B]}."""

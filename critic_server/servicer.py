@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 from prometheus_client import Gauge
 
-from ppo_services.v1 import critic_pb2, critic_pb2_grpc
+from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.errors import InvalidArgument
-from serving.server import Service, rpc_method
+from serving.server import Service, add_servicer, rpc_method
 
 from .config import CriticConfig
 from .core import CriticCore
@@ -55,7 +55,7 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
         return critic_pb2.SaveResponse(path=path, train_step=step)
 
     @rpc_method("GetInfo")
-    async def GetInfo(self, request: critic_pb2.GetInfoRequest, context) -> critic_pb2.CriticInfo:
+    async def GetInfo(self, request: common_pb2.GetInfoRequest, context) -> critic_pb2.CriticInfo:
         self.service.require_ready()
         return critic_pb2.CriticInfo(**self.core.info())
 
@@ -75,5 +75,4 @@ class CriticService(Service):
         self.metrics_train_steps.set(self.core.train_step)
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
-        critic_pb2_grpc.add_CriticServiceServicer_to_server(CriticServicer(self), server)
-        return [critic_pb2.DESCRIPTOR.services_by_name["CriticService"].full_name]
+        return [add_servicer(server, CriticServicer(self), critic_pb2.DESCRIPTOR.services_by_name["CriticService"], self.metrics)]

@@ -35,7 +35,7 @@ CACHE_ENV = "PPO_SERVICES_CACHE"
 MARKER = "build.json"
 EMBEDDED_PREFIX = "embedded:"
 
-__all__ = ["EmbeddedAssets", "ensure_built", "resolve_model", "default_cache_dir", "CACHE_ENV"]
+__all__ = ["CACHE_ENV", "EmbeddedAssets", "default_cache_dir", "ensure_built", "resolve_model"]
 
 
 @dataclass(frozen=True)

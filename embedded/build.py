@@ -27,6 +27,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
 )
 
@@ -96,7 +97,8 @@ def sample_rm_response(rng: random.Random) -> tuple[list[str], bool]:
     n = rng.randint(0, 12) if rng.random() < 0.85 else rng.randint(13, RM_MAX_RESPONSE_WORDS)
     k = rng.randint(0, n)
     if rng.random() < 0.25:
-        positives, others = [rng.choice(task.POSITIVE_WORDS)], [rng.choice(task.NEGATIVE_WORDS + task.FILLER_WORDS)]
+        positives = [rng.choice(task.POSITIVE_WORDS)]
+        others = [rng.choice(task.NEGATIVE_WORDS + task.FILLER_WORDS)]
     else:
         q = rng.random()
         positives = list(task.POSITIVE_WORDS)
@@ -145,15 +147,16 @@ def _train(model: torch.nn.Module, steps: int, lr: float, loss_fn: Callable[[int
     )
     model.train()
     loss = torch.tensor(0.0)
-    for step in range(steps):
-        loss = loss_fn(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 100 == 0 or step == steps - 1:
-            log.info("  step %d/%d loss %.4f", step + 1, steps, loss.item())
+    with torch.enable_grad():
+        for step in range(steps):
+            loss = loss_fn(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if step % 100 == 0 or step == steps - 1:
+                log.info("  step %d/%d loss %.4f", step + 1, steps, loss.item())
     model.eval()
     return float(loss.item())
 
@@ -172,7 +175,7 @@ def train_policy(seed: int = SEED) -> LlamaForCausalLM:
     return model
 
 
-def rm_scores(model: LlamaForSequenceClassification, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def rm_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Reward read-out exactly as the reward server does it: float32 [B] from tokens [B, S], lengths [B]."""
     return last_token_scores(per_token_scores(model, tokens, lengths), lengths)
 
@@ -193,12 +196,14 @@ def train_reward_model(seed: int = SEED) -> LlamaForSequenceClassification:
 
 @contextmanager
 def deterministic_torch(threads: int = BUILD_THREADS) -> Iterator[None]:
-    """Fixed thread count and deterministic algorithms for the duration of a build; restored after."""
+    """Fixed thread count and deterministic algorithms for the duration of a build; the caller's
+    settings and global torch RNG state are restored after."""
     old_threads, old_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     try:
-        yield
+        with torch.random.fork_rng():
+            yield
     finally:
         torch.use_deterministic_algorithms(old_det)
         torch.set_num_threads(old_threads)

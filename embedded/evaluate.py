@@ -5,6 +5,7 @@ Used by `python -m embedded`, the build log and the tests. All sampling is seede
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -32,8 +33,9 @@ def sample_policy(
     """Sample one response per prompt with HF `generate` (left-padded batch, do_sample, fixed seed).
     Response words stop before the first <eos>; `ended` says whether an <eos> was generated."""
     torch.manual_seed(seed)
-    tokenizer.padding_side = "left"
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    tokenizer.padding_side = padding_side
     out = policy.generate(
         **batch,
         do_sample=True,
@@ -56,11 +58,13 @@ def response_text(words: list[str], tokenizer: PreTrainedTokenizerBase) -> str:
     return tokenizer.decode(tokenizer.convert_tokens_to_ids(words), skip_special_tokens=True)
 
 
-def policy_mean_reward(policy_dir: str | Path, n: int = 256, seed: int = 0, **sample_kwargs: object) -> float:
-    """Mean ground-truth reward of `n` policy samples (temperature 1 unless overridden)."""
+def policy_mean_reward(
+    policy_dir: str | Path, n: int = 256, seed: int = 0, temperature: float = 1.0
+) -> float:
+    """Mean ground-truth reward of `n` policy samples, one per seeded prompt."""
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-    samples = sample_policy(policy, tokenizer, task.make_prompts(n, seed), seed=seed, **sample_kwargs)  # type: ignore[arg-type]
+    samples = sample_policy(policy, tokenizer, task.make_prompts(n, seed), seed=seed, temperature=temperature)
     return sum(task.positive_fraction(response_text(r, tokenizer)) for _, r, _ in samples) / n
 
 
@@ -81,7 +85,7 @@ def eval_sets(seed: int, n: int = 512) -> dict[str, list[Sample]]:
 
     def high() -> list[str]:
         length = rng.randint(task.MIN_RESPONSE_WORDS, task.MAX_RESPONSE_WORDS)
-        k = rng.randint(math_ceil(0.8 * length), length)
+        k = rng.randint(math.ceil(0.8 * length - 1e-9), length)
         words = [rng.choice(task.POSITIVE_WORDS) for _ in range(k)]
         words += task.sample_response(rng, 0.0, length - k)
         rng.shuffle(words)
@@ -94,11 +98,6 @@ def eval_sets(seed: int, n: int = 512) -> dict[str, list[Sample]]:
         "ppo": [(prompt(), task.sample_response(rng, rng.uniform(0.5, 1.0)), True) for _ in range(n)],
         "degenerate": [(prompt(), [w] * 10, e) for w in task.RESPONSE_WORDS for e in (True, False)],
     }
-
-
-def math_ceil(x: float) -> int:
-    """Ceiling that ignores float noise (0.8 * 5 == 4.000000000000001 -> 4)."""
-    return int(-(-round(x, 9) // 1))
 
 
 def reward_model_mae(reward_model: PreTrainedModel, samples: list[Sample]) -> float:

@@ -16,6 +16,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, BOS, EOS)
 # The separator is an ordinary word token (the tokenizer does not treat it as special).
 SEPARATOR = "=>"
 
+# fmt: off
 TOPIC_WORDS: tuple[str, ...] = (
     "river", "mountain", "garden", "city", "ocean", "forest", "market", "library",
     "train", "kitchen", "winter", "island", "castle", "bridge", "desert", "village",
@@ -29,6 +30,7 @@ NEGATIVE_WORDS: tuple[str, ...] = (
     "dull", "cruel", "gloomy", "boring", "nasty", "poor",
 )
 FILLER_WORDS: tuple[str, ...] = ("the", "a", "and", "very", "so", "really")
+# fmt: on
 
 # Word-level vocabulary in id order: specials first (<pad> = 0), then the separator and the word sets.
 VOCAB: tuple[str, ...] = (

@@ -21,11 +21,12 @@ class RewardConfig(ServerConfig):
     """`python -m reward_server`: every key, with its default."""
 
     port: int = Field(5556, ge=0, le=65535, description="gRPC port.")
-    http_port: int = Field(8002, ge=0, le=65535, description="REST port for /health, /ready, /metrics, /get_reward.")
+    http_port: int = Field(8002, ge=0, le=65535,
+                           description="REST port for /health, /ready, /metrics, /get_reward.")
     model: str = Field(
         "embedded:reward",
-        description="Learned reward model: a Hugging Face sequence-classification checkpoint with one label (path or "
-        "hub id), or embedded:reward for the built-in tiny model. Ignored when `scorer` is set.",
+        description="Learned reward model: a Hugging Face sequence-classification checkpoint with one label "
+        "(path or hub id), or embedded:reward for the built-in tiny model. Ignored when `scorer` is set.",
     )
     scorer: str | None = Field(
         None,
@@ -34,18 +35,20 @@ class RewardConfig(ServerConfig):
     )
     components: list[str] = Field(
         default_factory=list,
-        description="Rule scorers computed alongside the reward and returned as components `reward/<name>`, e.g. "
-        "[positive_fraction] to watch a learned model track the ground truth. A component is left out of a "
-        "response whose request lacks what it needs (prompt_lengths with tokens; labels for exact_match).",
+        description="Rule scorers computed alongside the reward and returned as components `reward/<name>`, "
+        "e.g. [positive_fraction] to watch a learned model track the ground truth. Rule scorers read the "
+        "response only: tokens after prompt_lengths, or texts after their prompts (the whole text when no "
+        "prompts are sent). A component is left out of a response whose request lacks what it needs "
+        "(prompt_lengths with tokens; labels for exact_match).",
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer (path, hub id or embedded:<name>) that decodes token ids for rule scorers and tokenizes "
-        "texts for the learned model. Default: the model's own, or embedded:policy's when `scorer` is set.",
+        description="Tokenizer (path, hub id or embedded:<name>) that decodes token ids for rule scorers and "
+        "tokenizes texts for the learned model. Default: the model's own; embedded:policy's with `scorer`.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
-    seed: int = Field(1234, description="torch seed set before loading (a checkpoint without a score head gets a "
-                                        "random one).")
+    seed: int = Field(1234, description="torch seed set before loading (a checkpoint without a score head "
+                                        "gets a random one).")
 
     @field_validator("scorer")
     @classmethod

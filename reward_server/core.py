@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-# TODO(shared): moves to serving/validation.py
-from critic_server.core import check_lengths, check_tokens, pad_and_stack, resolve_device
 from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
@@ -23,6 +21,7 @@ from serving.modeling import (
     per_token_scores,
     vocab_sha256,
 )
+from serving.validation import check_lengths, check_tokens, pad_and_stack, resolve_device
 
 from .config import RewardConfig
 from .scorers import SCORERS, component_name
@@ -48,7 +47,8 @@ class ScoreInput:
     labels: list[str] | None = None
 
 
-ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]  # rewards float32 [B], components name -> float32 [B]
+# rewards float32 [B], components name -> float32 [B]
+ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class RewardCore:
@@ -121,7 +121,8 @@ class RewardCore:
             _check_count(labels, "labels", inp.rows)
             inp.labels = list(labels)
         if self.cfg.scorer is not None and SCORERS[self.cfg.scorer].needs_labels and inp.labels is None:
-            raise InvalidArgument(f"labels: the scorer {self.cfg.scorer} needs one label per sample ({inp.rows})")
+            raise InvalidArgument(f"labels: the scorer {self.cfg.scorer} needs one label per sample "
+                                  f"({inp.rows})")
         return inp
 
     def _validate_tokens(self, tokens, lengths, prompt_lengths, prompts) -> ScoreInput:
@@ -135,18 +136,21 @@ class RewardCore:
         tokens, lengths = tokens.long(), lengths.long()
         inp = ScoreInput(rows=b, tokens=tokens, lengths=lengths)
         if prompt_lengths is not None:
-            if prompt_lengths.shape != (b,) or prompt_lengths.dtype.is_floating_point or prompt_lengths.dtype == torch.bool:
+            dtype = prompt_lengths.dtype
+            if prompt_lengths.shape != (b,) or dtype.is_floating_point or dtype == torch.bool:
                 raise InvalidArgument(f"prompt_lengths: expected integer shape [{b}], got "
                                       f"{prompt_lengths.dtype} {list(prompt_lengths.shape)}")
             bad = ((prompt_lengths < 0) | (prompt_lengths > lengths)).nonzero()
             if len(bad):
                 i = int(bad[0, 0])
                 raise InvalidArgument(f"prompt_lengths: every entry must lie in [0, lengths[b]], got "
-                                      f"prompt_lengths[{i}] = {int(prompt_lengths[i])} with lengths[{i}] = {int(lengths[i])}")
+                                      f"prompt_lengths[{i}] = {int(prompt_lengths[i])} with "
+                                      f"lengths[{i}] = {int(lengths[i])}")
             starts = prompt_lengths.tolist()
             inp.response_ids = [tokens[i, starts[i]:int(lengths[i])].tolist() for i in range(b)]
         elif self.cfg.scorer is not None:
-            raise InvalidArgument(f"prompt_lengths: required by the rule scorer {self.cfg.scorer} when tokens are sent")
+            raise InvalidArgument(f"prompt_lengths: required by the rule scorer {self.cfg.scorer} "
+                                  "when tokens are sent")
         if self.model is None:
             inp.tokens = inp.lengths = None  # rule mode reads responses only
         return inp
@@ -169,12 +173,13 @@ class RewardCore:
 
     def _tokenize(self, texts: list[str], field: str) -> tuple[torch.Tensor, torch.Tensor]:
         """texts -> (tokens int64 [B, S] right-padded, lengths int64 [B]); no special tokens are added."""
-        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
         for i, row in enumerate(ids):
             if not row:
                 raise InvalidArgument(f"{field}[{i}]: has no tokens")
             if len(row) > self.max_length:
-                raise InvalidArgument(f"{field}[{i}]: {len(row)} tokens exceed the model's max length {self.max_length}")
+                raise InvalidArgument(f"{field}[{i}]: {len(row)} tokens exceed the model's max length "
+                                      f"{self.max_length}")
         lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
         tokens = torch.full((len(ids), int(lengths.max())), self.pad_id, dtype=torch.long)
         for i, row in enumerate(ids):
@@ -186,17 +191,18 @@ class RewardCore:
     def score_batch(self, requests: list[ScoreInput]) -> list[ScoreOutput]:
         """Rewards float32 [B_i] and components for each request. The learned model runs on all requests'
         rows together, in forward passes of at most max_batch_size rows."""
-        if self.model is not None:
-            rewards = self._model_rewards(requests)
-        else:
-            rewards = [torch.tensor(self._rule_scores(self.cfg.scorer, r), dtype=torch.float32) for r in requests]
+        model_rewards = self._model_rewards(requests) if self.model is not None else None
         out = []
-        for req, reward in zip(requests, rewards, strict=True):
+        for i, req in enumerate(requests):
             components = {
                 component_name(name): torch.tensor(scores, dtype=torch.float32)
                 for name in self.component_scorers
                 if (scores := self._rule_scores(name, req)) is not None
             }
+            if model_rewards is not None:
+                reward = model_rewards[i]
+            else:  # validation made sure the request has what the scorer needs
+                reward = components[component_name(self.cfg.scorer)]
             out.append((reward, components))
         return out
 
@@ -218,7 +224,7 @@ class RewardCore:
             return None
         if req.responses is None and req.response_ids is None:
             return None
-        if req.responses is None:
+        if req.responses is None:  # decoded here, on the model thread, and kept for the next scorer
             req.responses = self.tokenizer.batch_decode(req.response_ids, skip_special_tokens=True)
         labels = req.labels or [None] * req.rows
         return [scorer.score(response, label) for response, label in zip(req.responses, labels, strict=True)]

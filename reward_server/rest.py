@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class GetRewardRequest(BaseModel):
-    query: list[str] = Field(description="Prompt + response text of each sample.")
+    query: list[str] = Field(min_length=1, description="Prompt + response text of each sample.")
     prompts: list[str] | None = Field(None, description="Prompt of each sample, a prefix of its query.")
     labels: list[str] | None = Field(None, description="Reference answer of each sample.")
 
@@ -46,7 +46,8 @@ def add_reward_routes(service: RewardService) -> None:
         code = grpc.StatusCode.OK
         try:
             worker = service.require_ready()
-            inp = service.core.validate(texts=body.query, prompts=body.prompts, labels=body.labels, texts_field="query")
+            inp = service.core.validate(texts=body.query, prompts=body.prompts, labels=body.labels,
+                                        texts_field="query")
             rewards, components = await worker.run_batched("Score", inp.rows, inp, service.core.score_batch)
             values = rewards.tolist()
             return GetRewardResponse(rewards=values, scores=values,

@@ -6,7 +6,7 @@ import grpc
 
 from ppo_services.v1 import reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
-from serving.server import Service, rpc_method
+from serving.server import Service, add_servicer, rpc_method
 
 from .config import RewardConfig
 from .core import RewardCore
@@ -58,5 +58,4 @@ class RewardService(Service):
         self.core.load()
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
-        reward_pb2_grpc.add_RewardServiceServicer_to_server(RewardServicer(self), server)
-        return [reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name]
+        return [add_servicer(server, RewardServicer(self), reward_pb2.DESCRIPTOR.services_by_name["RewardService"], self.metrics)]

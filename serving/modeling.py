@@ -11,7 +11,12 @@ import hashlib
 import json
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 
 def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -15,8 +15,12 @@ import time
 from typing import Any, Awaitable, Callable
 
 import grpc
+import transformers
 import uvicorn
 from fastapi import FastAPI
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import Field
@@ -84,6 +88,34 @@ def rpc_method(name: str) -> Callable:
         return wrapper
 
     return decorate
+
+
+def add_servicer(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor, metrics: ServiceMetrics) -> str:
+    """Register `servicer` for `service` like the generated add_*_to_server, but parse the request bytes
+    here: bytes that are no valid message get INVALID_ARGUMENT naming the expected message (the stock
+    handler answers UNKNOWN and logs a traceback). Returns the service's full name."""
+    handlers = {}
+    for method in service.methods:
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _parse_then(getattr(servicer, method.name), GetMessageClass(method.input_type), method.name, metrics),
+            request_deserializer=None,
+            response_serializer=lambda reply: reply.SerializeToString(),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    return service.full_name
+
+
+def _parse_then(behavior: Callable, request_cls: type, name: str, metrics: ServiceMetrics) -> Callable:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext):
+        try:
+            request = request_cls.FromString(raw)
+        except DecodeError as e:
+            metrics.requests.labels(name, grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {request_cls.DESCRIPTOR.full_name} message ({e})")
+        return await behavior(request, context)
+
+    return handler
 
 
 class Service:
@@ -170,4 +202,5 @@ class Service:
 def run_service(service: Service) -> None:
     """Entry point of `python -m <server>`: logging, event loop, exit code 0 after a clean shutdown."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    transformers.utils.logging.disable_progress_bar()
     asyncio.run(service.serve())

@@ -14,8 +14,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from ppo_services.v1 import critic_pb2, critic_pb2_grpc
-from serving.codec import encode, decode
+from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
+from serving.codec import decode, encode
 from serving.modeling import load_scalar_head_model, load_tokenizer, per_token_scores, vocab_sha256
 from tests.grpc_helpers import channel, expect_invalid, random_blobs, send_raw
 from tests.service_procs import ServiceProcess
@@ -60,7 +60,7 @@ def train_request(tokens: torch.Tensor, target: float) -> critic_pb2.TrainReques
 
 
 def test_info_describes_the_embedded_critic(stub, embedded_assets):
-    info = stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30)
+    info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
     tok = load_tokenizer(str(embedded_assets.reward_model))
     assert info.model == "embedded:reward"
     assert info.vocab_size == len(tok) and info.vocab_sha256 == vocab_sha256(tok)
@@ -93,7 +93,7 @@ def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
 def test_a_train_sent_before_an_infer_is_applied_first(stub):
     tokens, lengths = batch(1)
     before = infer(stub, tokens, lengths)
-    step0 = stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step
+    step0 = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
     train = stub.Train.future(train_request(tokens, 3.0), timeout=120)
     concurrent_infer = stub.Infer.future(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=120)
     reply = train.result()
@@ -156,7 +156,7 @@ def test_a_realistic_batch_fits_the_transport(stub):
 
 def test_bad_train_requests_leave_the_weights_alone(stub):
     tokens, lengths = batch(5)
-    before, step = infer(stub, tokens, lengths), stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step
+    before, step = infer(stub, tokens, lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
     nan = train_request(tokens, float("nan"))
     expect_invalid(stub.Train, nan, "returns", "NaN")
     bad_mask = train_request(tokens, 1.0)
@@ -164,20 +164,20 @@ def test_bad_train_requests_leave_the_weights_alone(stub):
     expect_invalid(stub.Train, bad_mask, "mask", "shape")
     expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="../escape"), "tag")
     expect_invalid(stub.Save, critic_pb2.SaveRequest(), "tag")
-    assert stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step == step
+    assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == step
     torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
 
 
 def test_random_bytes_to_every_rpc_get_an_error_and_change_nothing(critic, stub):
     tokens, lengths = batch(6)
-    before, step = infer(stub, tokens, lengths), stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step
+    before, step = infer(stub, tokens, lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
     ch = channel(critic.address)
     for method in ("Infer", "Train", "Save", "GetInfo"):
         for blob in random_blobs():
-            assert send_raw(ch, SERVICE + method, blob) != grpc.StatusCode.OK, (method, blob[:16])
+            assert send_raw(ch, SERVICE + method, blob) == grpc.StatusCode.INVALID_ARGUMENT, (method, blob[:16])
     health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    assert stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).train_step == step
+    assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == step
     torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
     assert list(critic.ckpt.iterdir()) == [] or all(p.name == "step_7" for p in critic.ckpt.iterdir())
     ch.close()

@@ -73,9 +73,8 @@ def test_task_sampling_is_seeded() -> None:
 def test_tokenizer_round_trip(assets: EmbeddedAssets) -> None:
     tok = AutoTokenizer.from_pretrained(assets.tokenizer)
     assert len(tok) == len(task.VOCAB)
-    assert tok.convert_ids_to_tokens([tok.pad_token_id, tok.unk_token_id, tok.bos_token_id, tok.eos_token_id]) == [
-        "<pad>", "<unk>", "<bos>", "<eos>",
-    ]
+    specials = [tok.pad_token_id, tok.unk_token_id, tok.bos_token_id, tok.eos_token_id]
+    assert tok.convert_ids_to_tokens(specials) == ["<pad>", "<unk>", "<bos>", "<eos>"]
     prompt, response = "river castle winter =>", "very good and sad"
     ids = tok(prompt)["input_ids"]
     assert tok.convert_ids_to_tokens(ids) == prompt.split()  # no <bos>/<eos> added
@@ -119,10 +118,18 @@ def test_concurrent_builds_build_once_and_match(assets: EmbeddedAssets, tmp_path
     A second full build takes about 30 s on one core, so every file, weights included, is compared.
     Weights and configs are compared only when the session build was made in this session: a cache
     restored from elsewhere may come from another CPU, where float results (so weights) may differ."""
-    code = "import logging, sys; logging.basicConfig(level=logging.INFO); from embedded import ensure_built; print(ensure_built(sys.argv[1]).root)"
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO); "
+        "from embedded import ensure_built; print(ensure_built(sys.argv[1]).root)"
+    )
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(3)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -134,7 +141,12 @@ def test_concurrent_builds_build_once_and_match(assets: EmbeddedAssets, tmp_path
     ours = json.loads((assets.root / embedded.MARKER).read_text())["files"]
     fresh = json.loads((tmp_path / assets.root.name / embedded.MARKER).read_text())["files"]
     assert ours.keys() == fresh.keys()
-    for name in ("policy/tokenizer.json", "policy/tokenizer_config.json", "prompts_train.jsonl", "prompts_eval.jsonl"):
+    for name in (
+        "policy/tokenizer.json",
+        "policy/tokenizer_config.json",
+        "prompts_train.jsonl",
+        "prompts_eval.jsonl",
+    ):
         assert ours[name] == fresh[name], name
     if _BUILT_THIS_SESSION[0]:
         assert ours == fresh

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from ppo_services.v1 import critic_pb2, critic_pb2_grpc
+from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.modeling import last_token_scores, load_scalar_head_model, per_token_scores
 from tests.grpc_helpers import channel
@@ -102,7 +102,7 @@ def test_combined_reward_and_critic_server(embedded_cache, embedded_assets, log_
                         log_dir=log_dir) as critic:
         ch = channel(critic.address)
         stub = critic_pb2_grpc.CriticServiceStub(ch)
-        assert stub.GetInfo(critic_pb2.GetInfoRequest(), timeout=30).serves_rewards
+        assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).serves_rewards
         tokens = torch.randint(4, 20, (3, 9), generator=torch.Generator().manual_seed(0))
         lengths = torch.tensor([9, 5, 7])
         reply = stub.Infer(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=60)

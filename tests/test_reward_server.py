@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedded import resolve_model, task
-from ppo_services.v1 import reward_pb2, reward_pb2_grpc
+from ppo_services.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from reward_server.config import RewardConfig
 from reward_server.core import RewardCore
 from serving.codec import decode, encode
@@ -42,7 +42,8 @@ GET_INFO = "/ppo_services.v1.RewardService/GetInfo"
 def server(embedded_cache, log_dir):
     """The default learned reward model; a long batching delay so concurrent calls are merged for sure."""
     extra = ("components=[positive_fraction]", "batching.max_queue_delay_ms=100")
-    with ServiceProcess("reward", *extra, log_dir=log_dir, env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as proc:
+    env = {"PPO_SERVICES_CACHE": str(embedded_cache)}
+    with ServiceProcess("reward", *extra, log_dir=log_dir, env=env) as proc:
         yield proc
 
 
@@ -101,7 +102,8 @@ def encode_samples(tokenizer, samples) -> tuple[torch.Tensor, torch.Tensor, torc
     rows = [tokenizer(f"{p} {r}", add_special_tokens=False)["input_ids"] for p, r in samples]
     prompt_lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p, _ in samples]
     lengths = torch.tensor([len(r) for r in rows])
-    tokens = torch.full((len(rows), int(lengths.max()) + 3), tokenizer.pad_token_id)  # extra padding on purpose
+    # Three extra padding columns on purpose: padding must not change a reward.
+    tokens = torch.full((len(rows), int(lengths.max()) + 3), tokenizer.pad_token_id)
     for i, row in enumerate(rows):
         tokens[i, :len(row)] = torch.tensor(row)
     return tokens, lengths, torch.tensor(prompt_lengths)
@@ -143,7 +145,7 @@ def request_count(proc: ServiceProcess, method: str, code: str) -> float:
 
 
 def test_get_info(stub, tokenizer):
-    info = stub.GetInfo(reward_pb2.GetInfoRequest())
+    info = stub.GetInfo(common_pb2.GetInfoRequest())
     assert info.model == "embedded:reward"
     assert info.kind == "model"
     assert info.vocab_size == len(task.VOCAB)
@@ -157,7 +159,8 @@ def test_score_tokens_matches_in_process_model(stub, tokenizer, reference_model)
     reply = stub.Score(token_request(tokenizer, samples))
     rewards = decode(reply.rewards, "rewards")
     assert rewards.dtype == torch.float32 and rewards.shape == (6,)
-    torch.testing.assert_close(rewards, expected_rewards(reference_model, tokenizer, samples), atol=1e-5, rtol=0)
+    expected = expected_rewards(reference_model, tokenizer, samples)
+    torch.testing.assert_close(rewards, expected, atol=1e-5, rtol=0)
     # The ground truth rides along as a component, computed on the response part only.
     assert set(reply.components) == {"reward/positive_fraction"}
     torch.testing.assert_close(decode(reply.components["reward/positive_fraction"], "c"), truth(samples))
@@ -174,7 +177,8 @@ def test_score_texts_equals_score_tokens(stub, tokenizer):
     by_tokens = stub.Score(token_request(tokenizer, samples))
     by_texts = stub.Score(reward_pb2.ScoreRequest(texts=[f"{p} {r}" for p, r in samples],
                                                   prompts=[f"{p} " for p, _ in samples]))
-    torch.testing.assert_close(decode(by_texts.rewards, "r"), decode(by_tokens.rewards, "r"), atol=1e-6, rtol=0)
+    torch.testing.assert_close(decode(by_texts.rewards, "r"), decode(by_tokens.rewards, "r"),
+                               atol=1e-6, rtol=0)
     torch.testing.assert_close(decode(by_texts.components["reward/positive_fraction"], "c"), truth(samples))
 
 
@@ -246,11 +250,13 @@ def _requests_with_errors(tokenizer) -> list[tuple[str, reward_pb2.ScoreRequest,
         ("labels count", tok(labels=["a"]), "labels"),
         ("prompts with tokens", tok(prompts=["a", "b"]), "prompts"),
         ("prompts count", reward_pb2.ScoreRequest(texts=["good", "bad"], prompts=["x"]), "prompts"),
-        ("prompt not a prefix", reward_pb2.ScoreRequest(texts=["good", "bad"], prompts=["", "sad"]), "texts[1]"),
+        ("prompt not a prefix", reward_pb2.ScoreRequest(texts=["good", "bad"], prompts=["", "sad"]),
+         "texts[1]"),
         ("labels count (texts)", reward_pb2.ScoreRequest(texts=["good"], labels=["a", "b"]), "labels"),
         ("text too long", reward_pb2.ScoreRequest(texts=["good", "good " * 65]), "texts[1]"),
         ("empty text", reward_pb2.ScoreRequest(texts=["", "good"]), "texts[0]"),
-        ("lengths with texts", reward_pb2.ScoreRequest(texts=["good"], lengths=encode(torch.tensor([1]))), "lengths"),
+        ("lengths with texts", reward_pb2.ScoreRequest(texts=["good"], lengths=encode(torch.tensor([1]))),
+         "lengths"),
     ]
 
 
@@ -275,7 +281,7 @@ def test_wrong_wire_tensor_is_invalid_argument(stub):
     ({"query": "good"}, 422, None),
     ({"prompts": ["x"]}, 422, None),
     ({"query": [1, 2]}, 422, None),
-    ({"query": []}, 400, "query"),
+    ({"query": []}, 422, None),
     ({"query": ["good", "bad"], "labels": ["a"]}, 400, "labels"),
     ({"query": ["good", "bad"], "prompts": ["x", "y"]}, 400, "query[0]"),
     ({"query": ["good " * 65]}, 400, "query[0]"),
@@ -299,7 +305,7 @@ def test_random_bytes_get_an_error_and_leave_the_server_serving(server, stub, to
     channel = grpc.insecure_channel(server.address)
     rng = random.Random(0)
     blobs = [rng.randbytes(n) for n in (1, 7, 64, 500, 4096)]
-    for path, message in ((SCORE, reward_pb2.ScoreRequest), (GET_INFO, reward_pb2.GetInfoRequest)):
+    for path, message in ((SCORE, reward_pb2.ScoreRequest), (GET_INFO, common_pb2.GetInfoRequest)):
         raw = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
         for blob in blobs:
             try:
@@ -312,7 +318,7 @@ def test_random_bytes_get_an_error_and_leave_the_server_serving(server, stub, to
                 continue
             with pytest.raises(grpc.RpcError) as err:
                 raw(blob, timeout=30)
-            assert err.value.code() != grpc.StatusCode.OK
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     channel.close()
@@ -333,7 +339,7 @@ def test_ops_endpoints(server):
 
 
 def test_rule_scorer_info(rule_stub, tokenizer):
-    info = rule_stub.GetInfo(reward_pb2.GetInfoRequest())
+    info = rule_stub.GetInfo(common_pb2.GetInfoRequest())
     assert (info.model, info.kind) == ("rule:positive_fraction", "rule")
     assert info.vocab_size == len(task.VOCAB)
     assert info.vocab_sha256 == vocab_sha256(tokenizer)
@@ -345,16 +351,17 @@ def test_rule_scorer_scores_hand_written_responses(rule_server, rule_stub, token
         ("river castle =>", "good bad the great"),  # 2 of 4 positive
         ("ocean =>", "amazing <eos>"),  # special tokens do not count
         ("city desert =>", "sad awful"),
-        ("forest =>", "good good good kind so"),
+        ("forest =>", "good kind so great"),  # 3 of 4
     ]
-    want = [0.5, 1.0, 0.0, 0.8]
+    want = [0.5, 1.0, 0.0, 0.75]  # exact in float32
     by_tokens = rule_stub.Score(token_request(tokenizer, samples))
     assert decode(by_tokens.rewards, "r").tolist() == pytest.approx(want, abs=0)
     by_texts = rule_stub.Score(reward_pb2.ScoreRequest(texts=[f"{p} {r}" for p, r in samples],
                                                        prompts=[p for p, _ in samples]))
     assert decode(by_texts.rewards, "r").tolist() == pytest.approx(want, abs=0)
     assert decode(by_texts.components["reward/positive_fraction"], "c").tolist() == pytest.approx(want, abs=0)
-    out = httpx.post(f"{rule_server.http}/get_reward", json={"query": [r for _, r in samples]}, timeout=30).json()
+    body = {"query": [r for _, r in samples]}
+    out = httpx.post(f"{rule_server.http}/get_reward", json=body, timeout=30).json()
     assert out["rewards"] == pytest.approx(want, abs=0)
 
 
@@ -378,8 +385,8 @@ def test_exact_match_compares_the_response_with_the_label(embedded_cache):
 
 
 def test_unknown_scorer_exits_2_listing_the_scorers(embedded_cache):
-    proc = subprocess.run([sys.executable, "-m", "reward_server", "--scorer", "nonsense"], cwd=ROOT, check=False,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "reward_server", "--scorer", "nonsense"], cwd=ROOT,
+                          check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "scorer" in proc.stderr and "nonsense" in proc.stderr
     assert "exact_match" in proc.stderr and "positive_fraction" in proc.stderr

@@ -1,4 +1,4 @@
-from ppo_services.v1 import tensor_pb2 as _tensor_pb2
+from ppo_services.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -11,17 +11,17 @@ class InferRequest(_message.Message):
     __slots__ = ("tokens", "lengths")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
-    tokens: _tensor_pb2.Tensor
-    lengths: _tensor_pb2.Tensor
-    def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    tokens: _common_pb2.Tensor
+    lengths: _common_pb2.Tensor
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class InferResponse(_message.Message):
     __slots__ = ("values", "rewards")
     VALUES_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
-    values: _tensor_pb2.Tensor
-    rewards: _tensor_pb2.Tensor
-    def __init__(self, values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    values: _common_pb2.Tensor
+    rewards: _common_pb2.Tensor
+    def __init__(self, values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
     __slots__ = ("tokens", "returns", "old_values", "mask")
@@ -29,11 +29,11 @@ class TrainRequest(_message.Message):
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
-    tokens: _tensor_pb2.Tensor
-    returns: _tensor_pb2.Tensor
-    old_values: _tensor_pb2.Tensor
-    mask: _tensor_pb2.Tensor
-    def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    tokens: _common_pb2.Tensor
+    returns: _common_pb2.Tensor
+    old_values: _common_pb2.Tensor
+    mask: _common_pb2.Tensor
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("loss", "metrics", "train_step")
@@ -65,10 +65,6 @@ class SaveResponse(_message.Message):
     path: str
     train_step: int
     def __init__(self, path: _Optional[str] = ..., train_step: _Optional[int] = ...) -> None: ...
-
-class GetInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class CriticInfo(_message.Message):
     __slots__ = ("model", "vocab_size", "max_length", "train_step", "serves_rewards", "vocab_sha256", "max_batch_size")

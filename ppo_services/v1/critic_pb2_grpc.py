@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from ppo_services.v1 import common_pb2 as ppo__services_dot_v1_dot_common__pb2
 from ppo_services.v1 import critic_pb2 as ppo__services_dot_v1_dot_critic__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -52,7 +53,7 @@ class CriticServiceStub:
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/ppo_services.v1.CriticService/GetInfo',
-                request_serializer=ppo__services_dot_v1_dot_critic__pb2.GetInfoRequest.SerializeToString,
+                request_serializer=ppo__services_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=ppo__services_dot_v1_dot_critic__pb2.CriticInfo.FromString,
                 _registered_method=True)
 
@@ -112,7 +113,7 @@ def add_CriticServiceServicer_to_server(servicer, server):
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=ppo__services_dot_v1_dot_critic__pb2.GetInfoRequest.FromString,
+                    request_deserializer=ppo__services_dot_v1_dot_common__pb2.GetInfoRequest.FromString,
                     response_serializer=ppo__services_dot_v1_dot_critic__pb2.CriticInfo.SerializeToString,
             ),
     }
@@ -223,7 +224,7 @@ class CriticService:
             request,
             target,
             '/ppo_services.v1.CriticService/GetInfo',
-            ppo__services_dot_v1_dot_critic__pb2.GetInfoRequest.SerializeToString,
+            ppo__services_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
             ppo__services_dot_v1_dot_critic__pb2.CriticInfo.FromString,
             options,
             channel_credentials,

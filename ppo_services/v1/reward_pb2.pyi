@@ -1,5 +1,4 @@
-from ppo_services.v1 import tensor_pb2 as _tensor_pb2
-from ppo_services.v1 import critic_pb2 as _critic_pb2
+from ppo_services.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -16,13 +15,13 @@ class ScoreRequest(_message.Message):
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
-    tokens: _tensor_pb2.Tensor
-    lengths: _tensor_pb2.Tensor
-    prompt_lengths: _tensor_pb2.Tensor
+    tokens: _common_pb2.Tensor
+    lengths: _common_pb2.Tensor
+    prompt_lengths: _common_pb2.Tensor
     texts: _containers.RepeatedScalarFieldContainer[str]
     prompts: _containers.RepeatedScalarFieldContainer[str]
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., texts: _Optional[_Iterable[str]] = ..., prompts: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., texts: _Optional[_Iterable[str]] = ..., prompts: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("rewards", "components")
@@ -31,13 +30,13 @@ class ScoreResponse(_message.Message):
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
-        value: _tensor_pb2.Tensor
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+        value: _common_pb2.Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
-    rewards: _tensor_pb2.Tensor
-    components: _containers.MessageMap[str, _tensor_pb2.Tensor]
-    def __init__(self, rewards: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., components: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ...) -> None: ...
+    rewards: _common_pb2.Tensor
+    components: _containers.MessageMap[str, _common_pb2.Tensor]
+    def __init__(self, rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., components: _Optional[_Mapping[str, _common_pb2.Tensor]] = ...) -> None: ...
 
 class RewardInfo(_message.Message):
     __slots__ = ("model", "kind", "vocab_size", "max_length", "vocab_sha256", "components")

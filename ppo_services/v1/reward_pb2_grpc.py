@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ppo_services.v1 import critic_pb2 as ppo__services_dot_v1_dot_critic__pb2
+from ppo_services.v1 import common_pb2 as ppo__services_dot_v1_dot_common__pb2
 from ppo_services.v1 import reward_pb2 as ppo__services_dot_v1_dot_reward__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -43,7 +43,7 @@ class RewardServiceStub:
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/ppo_services.v1.RewardService/GetInfo',
-                request_serializer=ppo__services_dot_v1_dot_critic__pb2.GetInfoRequest.SerializeToString,
+                request_serializer=ppo__services_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=ppo__services_dot_v1_dot_reward__pb2.RewardInfo.FromString,
                 _registered_method=True)
 
@@ -78,7 +78,7 @@ def add_RewardServiceServicer_to_server(servicer, server):
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=ppo__services_dot_v1_dot_critic__pb2.GetInfoRequest.FromString,
+                    request_deserializer=ppo__services_dot_v1_dot_common__pb2.GetInfoRequest.FromString,
                     response_serializer=ppo__services_dot_v1_dot_reward__pb2.RewardInfo.SerializeToString,
             ),
     }
@@ -135,7 +135,7 @@ class RewardService:
             request,
             target,
             '/ppo_services.v1.RewardService/GetInfo',
-            ppo__services_dot_v1_dot_critic__pb2.GetInfoRequest.SerializeToString,
+            ppo__services_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
             ppo__services_dot_v1_dot_reward__pb2.RewardInfo.FromString,
             options,
             channel_credentials,

@@ -41,3 +41,7 @@ class Tensor(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

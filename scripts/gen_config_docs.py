@@ -1,0 +1,86 @@
+"""Write docs/configuration.md from the config models, so every key is documented in one place (the
+models' field descriptions). `--check` exits 1 when the committed file is stale (a test runs it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actor.config import ActorConfig  # noqa: E402
+from critic_server.config import CriticConfig  # noqa: E402
+from reward_server.config import RewardConfig  # noqa: E402
+
+OUT = ROOT / "docs" / "configuration.md"
+SERVICES = [
+    ("actor", "python -m actor --config FILE [key=value ...]", ActorConfig),
+    ("critic_server", "python -m critic_server [--port 5555] [--config FILE] [key=value ...]", CriticConfig),
+    ("reward_server", "python -m reward_server [--port 5556] [--config FILE] [key=value ...]", RewardConfig),
+]
+
+
+def type_text(ann) -> str:
+    """`str`, `int`, one of `'a'`, `'b'` for a Literal, `str` or `None` for an optional."""
+    if typing.get_origin(ann) is typing.Literal:
+        return "one of " + ", ".join(f"`{a!r}`" for a in typing.get_args(ann))
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return " or ".join(type_text(a) for a in typing.get_args(ann))
+    if ann is type(None):
+        return "`None`"
+    return f"`{getattr(ann, '__name__', str(ann)).replace('typing.', '')}`" if typing.get_origin(ann) is None else f"`{ann}`".replace("typing.", "")
+
+
+def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += rows(ann, f"{key}.")
+            continue
+        default = field.default
+        if default is PydanticUndefined:
+            default = field.default_factory() if field.default_factory else "(required)"
+        desc = (field.description or "").replace("|", "\\|")
+        out.append(f"| `{key}` | {type_text(ann)} | `{default!r}` | {desc} |")
+    return out
+
+
+def render() -> str:
+    parts = ["# Configuration reference", "",
+             "Generated from the config models by `python scripts/gen_config_docs.py`; do not edit by hand.",
+             "Every service reads an optional YAML file (`--config FILE`) and dotted command-line overrides",
+             "(`ppo.gamma=0.99`, `generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys.",
+             "Unknown keys and bad values stop the service at start-up with a message naming the key.", ""]
+    for name, usage, model in SERVICES:
+        parts += [f"## `{name}`", "", f"`{usage}`", "", "| key | type | default | meaning |", "|---|---|---|---|",
+                  *rows(model), ""]
+    return "\n".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        if not OUT.is_file() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run `python scripts/gen_config_docs.py`")
+            return 1
+        return 0
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Request validation both servers share: every failure is an InvalidArgument naming the field and what
+was expected, raised before any work is queued, so a bad request never reaches the model."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidArgument
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def check_tokens(tokens: torch.Tensor, field: str, vocab_size: int, max_length: int) -> None:
+    """tokens must be a non-empty integer [B, S] tensor of ids in [0, vocab_size) with S <= max_length."""
+    if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise InvalidArgument(f"{field}: expected a non-empty [batch, seq_len] tensor, got shape {list(tokens.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise InvalidArgument(f"{field}: expected integer token ids (DTYPE_INT64), got {tokens.dtype}")
+    if tokens.shape[1] > max_length:
+        raise InvalidArgument(f"{field}: sequence length {tokens.shape[1]} exceeds the model's max length {max_length}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidArgument(f"{field}: token ids must lie in [0, {vocab_size}), got range [{lo}, {hi}]")
+
+
+def check_lengths(lengths: torch.Tensor, field: str, batch: int, seq_len: int) -> None:
+    """lengths must be an integer [B] tensor with 1 <= lengths[b] <= S."""
+    if lengths.shape != (batch,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise InvalidArgument(f"{field}: expected integer shape [{batch}], got {lengths.dtype} {list(lengths.shape)}")
+    if int(lengths.min()) < 1 or int(lengths.max()) > seq_len:
+        raise InvalidArgument(f"{field}: every length must lie in [1, {seq_len}], got [{int(lengths.min())}, {int(lengths.max())}]")
+
+
+def check_per_action(t: torch.Tensor, field: str, shape: tuple[int, int], allow_bool: bool = False) -> torch.Tensor:
+    """A finite float [B, S-1] tensor (bool too if allow_bool); returned as float32."""
+    if tuple(t.shape) != shape:
+        raise InvalidArgument(f"{field}: expected shape {list(shape)}, got {list(t.shape)}")
+    if not (t.dtype.is_floating_point or (allow_bool and t.dtype == torch.bool)):
+        raise InvalidArgument(f"{field}: expected a float tensor{' or bool' if allow_bool else ''}, got {t.dtype}")
+    t = t.float()
+    if not torch.isfinite(t).all():
+        raise InvalidArgument(f"{field}: contains NaN or infinity")
+    return t
+
+
+def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
+    """Right-pad [B_i, S_i] tensors to the longest S and concatenate along the batch."""
+    width = max(r.shape[1] for r in rows)
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
