@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "metrics.jsonl").unlink()  # a fresh curve for every demo run
 
     print("building the embedded default (cached after the first run) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "embedded"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "embedded", "--no-report"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
     ports = {name: (free_port(), free_port()) for name in ("critic", "reward")}
     servers = {

@@ -80,6 +80,9 @@ class MetricsTracker:
         steps = [r["step"] for r in self.history]
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         ax.plot(steps, [r["train_rollouts/rewards"] for r in self.history], marker="o", label="reward (rollouts)")
+        for key in sorted({k for r in self.history for k in r if k.startswith("train_rollouts/reward/")}):
+            ax.plot(steps, [r.get(key, float("nan")) for r in self.history], linestyle="--",
+                    label=key.removeprefix("train_rollouts/"))
         if any("val/rewards" in r for r in self.history):
             vs = [(r["step"], r["val/rewards"]) for r in self.history if "val/rewards" in r]
             ax.plot(*zip(*vs), marker="s", label="reward (validation, greedy)")

@@ -145,7 +145,7 @@ class CriticCore:
                                                mask[ms].to(self.device), clip=tc.value_clip, scale=tc.loss_scale,
                                                num_tokens=n_tokens)
                     loss.backward()
-                    loss_total += float(loss)
+                    loss_total += float(loss.detach())
                     weight = float(mask[ms].sum()) / n_tokens
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * weight
