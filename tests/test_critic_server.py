@@ -204,6 +204,20 @@ def test_health_reflection_and_rest_endpoints(critic):
         re.search(r'ppo_critic_requests_total\{method="Infer",code="INVALID_ARGUMENT"\} [1-9]', text)
 
 
+def test_a_critic_initialised_from_the_policy_gets_a_fresh_value_head(embedded_cache, log_dir):
+    with ServiceProcess("critic", "--model", "embedded:policy", "--checkpoint-dir", str(log_dir / "ckpt-policy"),
+                        log_dir=log_dir) as proc:
+        ch = channel(proc.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).model == "embedded:policy"
+        tokens, lengths = batch(9)
+        values = infer(stub, tokens, lengths)
+        assert values.shape == tokens.shape and torch.isfinite(values).all() and values.abs().sum() > 0
+        reply = stub.Train(train_request(tokens, 1.0), timeout=120)
+        assert reply.train_step == 1 and reply.loss > 0
+        ch.close()
+
+
 def test_sigterm_finishes_in_flight_work_and_exits_zero(embedded_cache, log_dir):
     proc = ServiceProcess("critic", "--checkpoint-dir", str(log_dir / "ckpt-sigterm"), log_dir=log_dir).start()
     ch = channel(proc.address)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -116,3 +117,24 @@ def test_combined_reward_and_critic_server(embedded_cache, embedded_assets, log_
         assert result.returncode == 0, result.stdout + result.stderr
         rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 2 and all("critic/loss" in r for r in rows)
+
+
+def test_actor_sigterm_finishes_the_step_checkpoints_and_exits_zero(servers, tmp_path):
+    critic, reward = servers
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", "0",
+           f"run_dir={run_dir}", *TWO_STEPS, "max_steps=500", f"critic.address={critic.address}",
+           f"reward.address={reward.address}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert 1 <= len(steps) < 500
+    meta = json.loads((run_dir / "checkpoints" / f"step_{steps[-1]}" / "checkpoint.json").read_text())
+    assert meta["step"] == steps[-1] and "SIGTERM" in out
