@@ -54,7 +54,7 @@ test: install
 protos: install
 	$(VENV_PY) scripts/gen_protos.py
 
-# ruff, when installed (it is not part of the dev extra).
+# ruff (pinned in the dev extra).
 lint:
 	@if [ -x $(VENV)/bin/ruff ]; then $(VENV)/bin/ruff check .; \
 	elif command -v ruff >/dev/null 2>&1; then ruff check .; \

@@ -3,8 +3,9 @@ actor keeps working (generating, computing log-probs, training) while the server
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import grpc
 import torch

@@ -67,7 +67,7 @@ class PPOConfig(StrictModel):
     normalize_advantages: bool = Field(True, description="Whiten advantages over the step's response tokens.")
 
     @model_validator(mode="after")
-    def _batches_divide(self) -> "PPOConfig":
+    def _batches_divide(self) -> PPOConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"ppo.global_batch_size ({self.global_batch_size}) must be a multiple of "
                              f"ppo.micro_batch_size ({self.micro_batch_size})")

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"critic.address=127.0.0.1:{ports['critic'][0]}", f"reward.address=127.0.0.1:{ports['reward'][0]}",
                  *args.overrides]
         print(f"starting actor: {' '.join(actor[1:])}", flush=True)
-        code = subprocess.run(actor, cwd=ROOT, env=env).returncode
+        code = subprocess.run(actor, check=False, cwd=ROOT, env=env).returncode
         if code != 0:
             print(f"actor failed with exit code {code}", file=sys.stderr)
             return code

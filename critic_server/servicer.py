@@ -21,7 +21,7 @@ def required(msg, field: str):
 
 
 class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
-    def __init__(self, service: "CriticService"):
+    def __init__(self, service: CriticService):
         self.service = service
         self.core = service.core
         self.metrics = service.metrics

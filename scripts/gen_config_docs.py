@@ -15,9 +15,9 @@ from pydantic_core import PydanticUndefined
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from actor.config import ActorConfig  # noqa: E402
-from critic_server.config import CriticConfig  # noqa: E402
-from reward_server.config import RewardConfig  # noqa: E402
+from actor.config import ActorConfig
+from critic_server.config import CriticConfig
+from reward_server.config import RewardConfig
 
 OUT = ROOT / "docs" / "configuration.md"
 SERVICES = [

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import NotReady, Overloaded
 from .metrics import ServiceMetrics
@@ -110,7 +111,7 @@ class ModelWorker:
                 for w, r in zip(live, results, strict=True):
                     if not w.future.done():
                         w.future.set_result(r)
-            except Exception as e:  # delivered to every caller of the failed batch
+            except Exception as e:  # noqa: BLE001 - delivered to every caller of the failed batch
                 for w in live:
                     if not w.future.done():
                         w.future.set_exception(e)

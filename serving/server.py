@@ -12,7 +12,8 @@ import functools
 import logging
 import signal
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import transformers

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -57,9 +58,9 @@ class ServiceProcess:
     def http(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self, ready_timeout: float = 180.0) -> "ServiceProcess":
+    def start(self, ready_timeout: float = 180.0) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - held open for the process lifetime
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
@@ -95,7 +96,7 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -106,7 +106,7 @@ def test_a_train_sent_before_an_infer_is_applied_first(stub):
 
 
 def test_train_moves_values_toward_returns(stub):
-    tokens, lengths = batch(2, s=10)
+    tokens, _ = batch(2, s=10)
     full = torch.full((4,), 10)
     start = infer(stub, tokens, full)[:, :-1].mean()
     for _ in range(5):

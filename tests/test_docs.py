@@ -9,7 +9,7 @@ from tests.service_procs import ROOT
 
 
 def test_configuration_reference_is_current():
-    result = subprocess.run([sys.executable, "scripts/gen_config_docs.py", "--check"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "scripts/gen_config_docs.py", "--check"], check=False, cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
