@@ -230,6 +230,11 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero(embedded_cache, log_dir)
         time.sleep(0.01)
     assert not all(p.done() for p in pending), "the Trains finished before SIGTERM; make them larger"
     proc.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{proc.http}/ready").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert httpx.get(f"{proc.http}/ready").status_code == 503  # readiness drops while work drains
+    assert not all(p.done() for p in pending)
     assert all(p.result().train_step > 0 for p in pending)  # accepted work completes
     assert proc.terminate(60) == 0
     ch.close()
