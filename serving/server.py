@@ -176,8 +176,14 @@ class Service:
         await asyncio.wait([load_task, stop_task, http_task], return_when=asyncio.FIRST_COMPLETED)
         if http_task.done() and not stop.is_set():
             raise SystemExit(f"HTTP listener on {cfg.host}:{cfg.http_port} failed to start")
+        if load_task.done() and not stop.is_set() and load_task.exception() is not None:
+            err = load_task.exception()
+            log.error("%s cannot load its model: %s: %s", self.name, type(err).__name__, err)
+            await server.stop(0)
+            http.should_exit = True
+            await http_task
+            raise SystemExit(1)
         if load_task.done() and not stop.is_set():
-            load_task.result()  # a failed load raises here and ends the process
             self.worker = ModelWorker(self.metrics, cfg.batching.max_batch_size,
                                       cfg.batching.max_queue_delay_ms / 1000, cfg.batching.max_queue_size)
             self.worker.start()

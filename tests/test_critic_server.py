@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -18,7 +20,7 @@ from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.modeling import load_scalar_head_model, load_tokenizer, per_token_scores, vocab_sha256
 from tests.grpc_helpers import channel, expect_invalid, random_blobs, send_raw
-from tests.service_procs import ServiceProcess
+from tests.service_procs import ROOT, ServiceProcess
 
 SERVICE = "/ppo_services.v1.CriticService/"
 
@@ -171,6 +173,7 @@ def test_bad_train_requests_leave_the_weights_alone(stub):
 def test_random_bytes_to_every_rpc_get_an_error_and_change_nothing(critic, stub):
     tokens, lengths = batch(6)
     before, step = infer(stub, tokens, lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
+    checkpoints = sorted(critic.ckpt.iterdir())
     ch = channel(critic.address)
     for method in ("Infer", "Train", "Save", "GetInfo"):
         for blob in random_blobs():
@@ -179,7 +182,7 @@ def test_random_bytes_to_every_rpc_get_an_error_and_change_nothing(critic, stub)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == step
     torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
-    assert list(critic.ckpt.iterdir()) == [] or all(p.name == "step_7" for p in critic.ckpt.iterdir())
+    assert sorted(critic.ckpt.iterdir()) == checkpoints
     ch.close()
 
 
@@ -245,3 +248,51 @@ def _metric(proc: ServiceProcess, pattern: str) -> float:
     text = httpx.get(f"{proc.http}/metrics").text
     m = re.search(pattern + r" ([0-9.e+]+)", text)
     return float(m.group(1)) if m else 0.0
+
+
+def test_a_model_that_cannot_load_exits_1_with_a_clear_message(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "critic_server", "--port", "0", "--http-port", "0",
+                             "--model", str(tmp_path / "no-such-model")], check=False, cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1
+    assert "critic cannot load its model" in result.stderr and "no-such-model" in result.stderr
+
+
+def test_a_full_queue_answers_resource_exhausted_and_loses_nothing(embedded_cache, log_dir):
+    with ServiceProcess("critic", "batching.max_queue_size=2", "--checkpoint-dir", str(log_dir / "ckpt-queue"),
+                        log_dir=log_dir) as proc:
+        ch = channel(proc.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        tokens, _ = batch(10, b=512, s=48)
+        calls = [stub.Train.future(train_request(tokens, 1.0), timeout=120) for _ in range(8)]
+        codes = []
+        for c in calls:
+            try:
+                c.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+                assert "queue is full" in e.details()
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
+        # Every accepted Train was applied, and only those.
+        assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == 8 * codes.count(grpc.StatusCode.OK)
+        ch.close()
+
+
+def test_train_loss_equals_the_value_loss_of_the_same_weights_in_process(critic, stub):
+    """One global batch: the reported loss is the clipped value loss before the optimizer step."""
+    from algorithms import value_loss
+
+    tokens, _ = batch(11, b=8, s=10)
+    path = stub.Save(critic_pb2.SaveRequest(tag="before-loss-check"), timeout=120).path
+    g = torch.Generator().manual_seed(1)
+    returns, old_values = torch.randn(8, 9, generator=g), torch.randn(8, 9, generator=g) * 0.1
+    mask = (torch.rand(8, 9, generator=g) > 0.3).float()
+    model = load_scalar_head_model(path).eval()
+    with torch.no_grad():
+        values = per_token_scores(model, tokens, torch.full((8,), 10))[:, :-1]
+        expected, stats = value_loss(values, old_values, returns, mask, clip=0.2)
+    reply = stub.Train(critic_pb2.TrainRequest(tokens=encode(tokens), returns=encode(returns),
+                                               old_values=encode(old_values), mask=encode(mask)), timeout=120)
+    assert reply.loss == pytest.approx(float(expected), rel=1e-4)
+    assert reply.metrics["vf_clipfrac"] == pytest.approx(float(stats["vf_clipfrac"]), abs=1e-6)
