@@ -19,6 +19,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from serving.modeling import pad_and_stack, right_pad
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -49,20 +51,9 @@ class Rollout:
         return ((t >= self.prompt_lengths[:, None] - 1) & (t < self.lengths[:, None] - 1)).float()
 
 
-def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (int64 [B, max_len] right-padded, int64 [B] lengths)."""
-    width = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return tokens, torch.tensor([len(r) for r in rows], dtype=torch.long)
-
-
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """Stack micro-batch rollouts of different widths into one batch."""
-    width = max(p.tokens.shape[1] for p in parts)
-    pad = [torch.nn.functional.pad(p.tokens, (0, width - p.tokens.shape[1]), value=pad_id) for p in parts]
-    return Rollout(torch.cat(pad), torch.cat([p.lengths for p in parts]),
+    return Rollout(pad_and_stack([p.tokens for p in parts], pad_id), torch.cat([p.lengths for p in parts]),
                    torch.cat([p.prompt_lengths for p in parts]), torch.cat([p.ended for p in parts]))
 
 

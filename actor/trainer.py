@@ -31,7 +31,14 @@ from algorithms import (
     token_level_rewards,
 )
 from embedded import resolve_model
-from serving.modeling import attention_mask_from_lengths, max_length_of, vocab_sha256
+from serving.modeling import (
+    TORCH_DTYPES,
+    attention_mask_from_lengths,
+    max_length_of,
+    pad_and_stack,
+    resolve_device,
+    vocab_sha256,
+)
 from serving.rest import add_ops_routes, start_ops_thread
 
 from .clients import CriticClient, RewardClient, check_compatible
@@ -56,10 +63,6 @@ class RolloutBatch:
     components: dict[str, torch.Tensor]  # named reward components, [B] each
 
 
-def pad_cols(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-
 class PPOTrainer:
     def __init__(self, cfg: ActorConfig):
         self.cfg = cfg
@@ -75,9 +78,8 @@ class PPOTrainer:
             self.ops = start_ops_thread(app, cfg.host, cfg.http_port)
 
         torch.manual_seed(cfg.seed)
-        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if cfg.device == "auto" else cfg.device))
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        self.device = resolve_device(cfg.device)
+        dtype = TORCH_DTYPES[cfg.dtype]
         policy_path = resolve_model(cfg.policy)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -148,8 +150,7 @@ class PPOTrainer:
         with t("critic_wait"):
             remote = [(v.result(), s.result() if s else None) for _, v, s, _, _ in parts]
         rollout = concat_rollouts([p[0] for p in parts], self.pad_id)
-        width = rollout.tokens.shape[1]
-        values = torch.cat([pad_cols(v, width) for (v, _), _ in remote])
+        values = pad_and_stack([v for (v, _), _ in remote])
         if self.reward is not None:
             scores = torch.cat([s[0] for _, s in remote])
             names = remote[0][1][1].keys()
@@ -159,8 +160,8 @@ class PPOTrainer:
         return RolloutBatch(
             rollout=rollout,
             mask=rollout.action_mask(),
-            logprobs=torch.cat([pad_cols(p[3], width - 1) for p in parts]),
-            ref_logprobs=torch.cat([pad_cols(p[4], width - 1) for p in parts]),
+            logprobs=pad_and_stack([p[3] for p in parts]),
+            ref_logprobs=pad_and_stack([p[4] for p in parts]),
             values=values[:, :-1],
             scores=scores.float(),
             components=components,

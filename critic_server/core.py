@@ -18,21 +18,23 @@ from algorithms.losses import value_loss
 from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
+    TORCH_DTYPES,
     last_token_scores,
     load_scalar_head_model,
     load_tokenizer,
     max_length_of,
+    pad_and_stack,
     per_token_scores,
+    resolve_device,
     vocab_sha256,
 )
-from serving.validation import check_lengths, check_per_action, check_tokens, pad_and_stack, resolve_device
+from serving.validation import check_lengths, check_per_action, check_tokens
 
 from .config import CriticConfig
 
 log = logging.getLogger(__name__)
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
 
@@ -48,7 +50,7 @@ class CriticCore:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         path = resolve_model(cfg.model)
-        self.model = load_scalar_head_model(path, _DTYPES[cfg.dtype]).to(self.device)
+        self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype]).to(self.device)
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_length = max_length_of(self.model)
@@ -61,7 +63,7 @@ class CriticCore:
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)
-            self.reward_model = load_scalar_head_model(rm_path, _DTYPES[cfg.dtype]).to(self.device).eval()
+            self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype]).to(self.device).eval()
             self.reward_model.requires_grad_(False)
             if vocab_sha256(load_tokenizer(rm_path)) != self.vocab_sha256:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")

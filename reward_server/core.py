@@ -14,21 +14,24 @@ import torch
 from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
+    TORCH_DTYPES,
     last_token_scores,
     load_scalar_head_model,
     load_tokenizer,
     max_length_of,
+    pad_and_stack,
     per_token_scores,
+    resolve_device,
+    right_pad,
     vocab_sha256,
 )
-from serving.validation import check_lengths, check_tokens, pad_and_stack, resolve_device
+from serving.validation import check_lengths, check_tokens
 
 from .config import RewardConfig
 from .scorers import SCORERS, component_name
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _RULE_TOKENIZER = "embedded:policy"
 _NO_LIMIT = 2**31 - 1  # what rule mode reports as max_length when its tokenizer sets no limit
 
@@ -65,7 +68,7 @@ class RewardCore:
         torch.manual_seed(cfg.seed)
         if cfg.scorer is None:
             path = resolve_model(cfg.model)
-            self.model = load_scalar_head_model(path, _DTYPES[cfg.dtype]).to(self.device).eval()
+            self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype]).to(self.device).eval()
             self.model.requires_grad_(False)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path)
             self.vocab_size = int(self.model.config.vocab_size)
@@ -180,10 +183,7 @@ class RewardCore:
             if len(row) > self.max_length:
                 raise InvalidArgument(f"{field}[{i}]: {len(row)} tokens exceed the model's max length "
                                       f"{self.max_length}")
-        lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
-        tokens = torch.full((len(ids), int(lengths.max())), self.pad_id, dtype=torch.long)
-        for i, row in enumerate(ids):
-            tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        tokens, lengths = right_pad(ids, self.pad_id)
         check_tokens(tokens, field, self.vocab_size, self.max_length)
         return tokens, lengths
 

@@ -1,4 +1,6 @@
-"""Scalar-head models shared by the critic and reward servers (and the embedded default's builder).
+"""Models and token layouts shared by the critic and reward servers, the actor and the embedded builder.
+
+Token batches are right-padded int64 [B, S] with int64 lengths [B] everywhere.
 
 Critic and reward model are both `AutoModelForSequenceClassification` checkpoints with `num_labels=1`:
 a causal-LM body plus a linear `score` head, which `from_pretrained` loads as-is. The critic reads the
@@ -18,6 +20,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
 
 def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a Hugging Face checkpoint with a one-output `score` head. A causal-LM checkpoint (e.g. the
@@ -36,6 +46,21 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def attention_mask_from_lengths(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     """int64 [B] lengths -> int64 [B, S] mask, 1 on the first lengths[b] positions (right padding)."""
     return (torch.arange(seq_len, device=lengths.device)[None, :] < lengths[:, None]).long()
+
+
+def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (int64 [B, max_len] right-padded, int64 [B] lengths)."""
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return tokens, torch.tensor([len(r) for r in rows], dtype=torch.long)
+
+
+def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
+    """Right-pad [B_i, S_i] tensors to the longest S and concatenate along the batch."""
+    width = max(r.shape[1] for r in rows)
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
 
 
 def per_token_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,6 @@ import torch
 from .errors import InvalidArgument
 
 
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
-
-
 def check_tokens(tokens: torch.Tensor, field: str, vocab_size: int, max_length: int) -> None:
     """tokens must be a non-empty integer [B, S] tensor of ids in [0, vocab_size) with S <= max_length."""
     if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
@@ -45,9 +39,3 @@ def check_per_action(t: torch.Tensor, field: str, shape: tuple[int, int], allow_
     if not torch.isfinite(t).all():
         raise InvalidArgument(f"{field}: contains NaN or infinity")
     return t
-
-
-def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
-    """Right-pad [B_i, S_i] tensors to the longest S and concatenate along the batch."""
-    width = max(r.shape[1] for r in rows)
-    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
