@@ -19,6 +19,8 @@ import grpc
 import transformers
 import uvicorn
 from fastapi import FastAPI
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
@@ -131,6 +133,12 @@ class Service:
         self.ready = False
         self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None)
         add_ops_routes(self.app, self.metrics.registry, lambda: self.ready)
+
+        @self.app.exception_handler(RequestValidationError)
+        async def count_rejected_body(request, exc):
+            """A REST body FastAPI rejects (422) counts as an INVALID_ARGUMENT request of its route."""
+            self.metrics.requests.labels(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            return await request_validation_exception_handler(request, exc)
 
     # --- to implement -------------------------------------------------------------------------
     def load(self) -> None:

@@ -287,8 +287,10 @@ def test_wrong_wire_tensor_is_invalid_argument(stub):
     ({"query": ["good " * 65]}, 400, "query[0]"),
 ])
 def test_get_reward_rejects_bad_bodies(server, body, status, field):
+    before = request_count(server, "get_reward", "INVALID_ARGUMENT")
     response = httpx.post(f"{server.http}/get_reward", json=body, timeout=30)
     assert response.status_code == status, response.text
+    assert request_count(server, "get_reward", "INVALID_ARGUMENT") == before + 1  # 422s are counted too
     if field is not None:
         assert response.json()["detail"].startswith(field)
 
