@@ -169,11 +169,14 @@ class PPOTrainer:
 
     # --- the policy update ----------------------------------------------------------------------
     def train_policy(self, batch: RolloutBatch, advantages: torch.Tensor) -> dict[str, float]:
-        """ppo_epochs passes; one optimizer step per global batch, micro-batched; token-level loss."""
+        """ppo_epochs passes; one optimizer step per global batch, micro-batched; token-level loss (the
+        micro-batch losses add up to the global batch's loss)."""
         p = self.cfg.ppo
         tokens, lengths, mask = batch.rollout.tokens, batch.rollout.lengths, batch.mask
-        sums: dict[str, float] = {}
-        n_steps = 0
+        weighted: dict[str, float] = dict.fromkeys(("ppo_ratio", "ppo_ratio_clamped", "approx_kl", "entropy"), 0.0)
+        n_tokens_seen, ratio_min, ratio_max = 0.0, float("inf"), float("-inf")
+        loss_sum, grad_norm_sum, n_steps = 0.0, 0.0, 0
+        max_norm = p.grad_clip if p.grad_clip > 0 else float("inf")
         self.policy.train()
         for _ in range(p.ppo_epochs):
             perm = torch.randperm(tokens.shape[0], generator=self.shuffle_gen)
@@ -183,7 +186,7 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for m in range(0, len(idx), p.micro_batch_size):
                     mi = idx[m:m + p.micro_batch_size]
-                    w = int(lengths[mi].max())
+                    w = int(lengths[mi].max())  # trim the micro-batch to its longest row
                     tok, n = tokens[mi, :w].to(self.device), lengths[mi].to(self.device)
                     mk = mask[mi, :w - 1].to(self.device)
                     logits = self.policy(input_ids=tok, attention_mask=attention_mask_from_lengths(n, w)).logits[:, :-1].float()
@@ -191,28 +194,30 @@ class PPOTrainer:
                     pg_loss, stats = policy_loss(lp, batch.logprobs[mi, :w - 1].to(self.device),
                                                  advantages[mi, :w - 1].to(self.device), mk,
                                                  clip_low=p.ratio_eps, clip_high=p.ratio_eps, num_tokens=n_tokens)
-                    entropy = masked_sum(entropy_from_logits(logits), mk) / n_tokens
-                    loss = pg_loss - p.entropy_bonus * entropy
+                    entropy_sum = masked_sum(entropy_from_logits(logits), mk)
+                    loss = pg_loss - p.entropy_bonus * entropy_sum / n_tokens
                     loss.backward()
-                    share = float(mk.sum()) / n_tokens
-                    stats = {**stats, "entropy": entropy.detach() / max(share, 1e-12)}
-                    for k, v in {"loss": float(loss.detach()) / max(share, 1e-12), **{k: float(v) for k, v in stats.items()}}.items():
-                        if k == "ratio_min":
-                            sums[k] = min(sums.get(k, float("inf")), v)
-                        elif k == "ratio_max":
-                            sums[k] = max(sums.get(k, float("-inf")), v)
-                        else:
-                            sums[k] = sums.get(k, 0.0) + v * share  # shares of one global batch sum to 1
-                max_norm = p.grad_clip if p.grad_clip > 0 else float("inf")
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+                    loss_sum += float(loss.detach())
+                    k = float(mk.sum())
+                    if k > 0:
+                        n_tokens_seen += k
+                        for name, key in (("ppo_ratio", "ratio_mean"), ("ppo_ratio_clamped", "clipfrac"), ("approx_kl", "approx_kl")):
+                            weighted[name] += float(stats[key]) * k
+                        weighted["entropy"] += float(entropy_sum.detach())
+                        ratio_min = min(ratio_min, float(stats["ratio_min"]))
+                        ratio_max = max(ratio_max, float(stats["ratio_max"]))
+                grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
                 self.optimizer.step()
                 n_steps += 1
         self.policy.eval()
-        out = {f"train_optim/{k}": v if k in ("ratio_min", "ratio_max") else v / n_steps for k, v in sums.items()}
-        out["train_optim/ppo_ratio"] = out.pop("train_optim/ratio_mean")
-        out["train_optim/ppo_ratio_clamped"] = out.pop("train_optim/clipfrac")
-        out["train_optim/lr"] = self.optimizer.param_groups[0]["lr"]
-        return out
+        return {
+            "train_optim/loss": loss_sum / n_steps,
+            **{f"train_optim/{k}": v / max(n_tokens_seen, 1.0) for k, v in weighted.items()},
+            "train_optim/ppo_ratio_min": ratio_min,
+            "train_optim/ppo_ratio_max": ratio_max,
+            "train_optim/grad_norm": grad_norm_sum / n_steps,
+            "train_optim/lr": self.optimizer.param_groups[0]["lr"],
+        }
 
     # --- one step -------------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict[str, float], RolloutBatch]:
