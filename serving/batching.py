@@ -81,6 +81,7 @@ class ModelWorker:
             head = await self._next(None)
             assert head is not None
             self._queue.popleft()
+            self._busy = True  # from here until its results are delivered, even while the batch still forms
             batch = [head]
             if head.batchable:
                 rows = head.rows
@@ -97,11 +98,10 @@ class ModelWorker:
             now = time.monotonic()
             for w in batch:
                 self.metrics.queue_time.labels(head.method).observe(now - w.enqueued)
-            live = [w for w in batch if not w.future.cancelled()]
-            if not live:
-                continue
-            self._busy = True
+            live = [w for w in batch if not w.future.cancelled()]  # callers that went away are skipped
             try:
+                if not live:
+                    continue
                 if head.batchable:
                     self.metrics.batch_size.labels(head.method).observe(sum(w.rows for w in live))
                     results = await loop.run_in_executor(self._executor, head.run, [w.payload for w in live])
