@@ -3,9 +3,10 @@ actor keeps working (generating, computing log-probs, training) while the server
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import torch
@@ -58,6 +59,26 @@ def open_channel(name: str, cfg: RemoteConfig) -> grpc.Channel:
     return channel
 
 
+def wait_for_info(name: str, cfg: RemoteConfig, get_info: Callable, request) -> Any:
+    """GetInfo, retried while the server answers UNAVAILABLE (listening, model still loading), until
+    connect_timeout_s has passed since the call."""
+    deadline = time.monotonic() + cfg.connect_timeout_s
+    delay = 0.1
+    while True:
+        try:
+            return get_info(request, timeout=max(1.0, min(cfg.timeout_s, deadline - time.monotonic())))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise RemoteError(f"{name} server {cfg.address} GetInfo failed: {e.code().name}: {e.details()}") from None
+            if time.monotonic() + delay > deadline:
+                raise RemoteError(
+                    f"the {name} server at {cfg.address} did not become ready within {cfg.connect_timeout_s:.0f} s "
+                    f"(`{name}.connect_timeout_s`); last answer: {e.details()}"
+                ) from None
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
 def _call(what: str, fn, request, timeout: float):
     try:
         return fn(request, timeout=timeout)
@@ -80,7 +101,8 @@ class CriticClient:
         self.what = f"critic server {cfg.address}"
 
     def info(self) -> critic_pb2.CriticInfo:
-        return _call(f"{self.what} GetInfo", self.stub.GetInfo, common_pb2.GetInfoRequest(), self.cfg.timeout_s)
+        """What the server runs; waits while its model is still loading."""
+        return wait_for_info("critic", self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
 
     def infer(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Pending[tuple[torch.Tensor, torch.Tensor | None]]:
         """Values float32 [B, S] (and rewards [B] from a combined server, else None)."""
@@ -113,7 +135,8 @@ class RewardClient:
         self.what = f"reward server {cfg.address}"
 
     def info(self) -> reward_pb2.RewardInfo:
-        return _call(f"{self.what} GetInfo", self.stub.GetInfo, common_pb2.GetInfoRequest(), self.cfg.timeout_s)
+        """What the server runs; waits while its model is still loading."""
+        return wait_for_info("reward", self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
 
     def score(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor) -> Pending[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Rewards float32 [B] and named components {name: [B]}."""

@@ -14,7 +14,7 @@ class RemoteConfig(StrictModel):
     """A gRPC server the actor talks to."""
 
     address: str = Field(..., description="host:port of the server.")
-    connect_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the server at start-up.")
+    connect_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start-up for the server to answer and to be ready (its model loaded).")
     timeout_s: float = Field(600.0, gt=0, description="Deadline of each call.")
     max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB.")
 

@@ -62,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     for o in args.overrides:
         if o.startswith("run_dir="):
             run_dir = Path(o.split("=", 1)[1])
-    if (run_dir / "metrics.jsonl").exists():
-        (run_dir / "metrics.jsonl").unlink()  # a fresh curve for every demo run
 
     print("building the embedded default (cached after the first run) ...", flush=True)
     subprocess.run([sys.executable, "-m", "embedded", "--no-report"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

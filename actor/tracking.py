@@ -38,7 +38,7 @@ class MetricsTracker:
     def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self.jsonl = (run_dir / "metrics.jsonl").open("w", encoding="utf-8")  # one run per file
         self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True)
         self.history: list[dict] = []
@@ -54,7 +54,8 @@ class MetricsTracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.history.append(record)
-        self.jsonl.write(json.dumps(record) + "\n")
+        # Strict JSON: a non-finite value (no tokens, every critic step skipped) is written as null.
+        self.jsonl.write(json.dumps({k: v if math.isfinite(v) else None for k, v in record.items()}) + "\n")
         self.jsonl.flush()
         for k, v in record.items():
             if k != "step" and math.isfinite(v):

@@ -177,7 +177,7 @@ class PPOTrainer:
         n_tokens_seen, ratio_min, ratio_max = 0.0, float("inf"), float("-inf")
         loss_sum, grad_norm_sum, n_steps = 0.0, 0.0, 0
         max_norm = p.grad_clip if p.grad_clip > 0 else float("inf")
-        self.policy.train()
+        # The policy stays in eval mode: no dropout, so the first epoch's ratio is exactly 1 (NeMo-Aligner too).
         for _ in range(p.ppo_epochs):
             perm = torch.randperm(tokens.shape[0], generator=self.shuffle_gen)
             for g in range(0, len(perm), p.global_batch_size):
@@ -209,7 +209,6 @@ class PPOTrainer:
                 grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
                 self.optimizer.step()
                 n_steps += 1
-        self.policy.eval()
         return {
             "train_optim/loss": loss_sum / n_steps,
             **{f"train_optim/{k}": v / max(n_tokens_seen, 1.0) for k, v in weighted.items()},

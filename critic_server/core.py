@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from algorithms.losses import value_loss
+from algorithms import explained_variance, masked_mean, value_loss
 from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
@@ -58,7 +58,10 @@ class CriticCore:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         if (Path(path) / OPTIMIZER_FILE).is_file():  # resuming from one of our own checkpoints
             self.optimizer.load_state_dict(torch.load(Path(path) / OPTIMIZER_FILE, map_location=self.device))
+            for group in self.optimizer.param_groups:  # the moments resume; the configured hyperparameters win
+                group.update(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
             self.train_step = json.loads((Path(path) / STATE_FILE).read_text())["train_step"]
+            log.info("resumed critic optimizer state at train step %d from %s", self.train_step, path)
         self.model.eval()
         self.reward_model = None
         if cfg.reward_model is not None:
@@ -124,33 +127,35 @@ class CriticCore:
             raise InvalidArgument("mask: entries must be 0 or 1")
         return tokens.long(), returns, old_values, mask
 
-    def train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor) -> tuple[float, dict[str, float]]:
-        """One pass over the batch: one optimizer step per global batch, micro-batched. A step whose
-        loss or gradient is not finite is skipped, so no request can corrupt the weights."""
+    def train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor) -> tuple[float, dict[str, float], int]:
+        """One pass over the batch: one optimizer step per global batch, micro-batched. A step whose loss or
+        gradient is not finite is skipped, so no request can corrupt the weights. Dropout stays off (the
+        model stays in eval mode), as when the old values were computed. Returns (mean loss, metrics, the
+        train step reached); metrics are over the whole batch."""
         tc = self.cfg.train
-        self.model.train()
         losses: list[float] = []
-        sums: dict[str, float] = {}
+        grad_norms: list[float] = []
+        values_seen = torch.zeros_like(returns)
+        clipped = 0.0
         skipped = 0
         try:
             for g in range(0, tokens.shape[0], tc.global_batch_size):
-                sl = slice(g, g + tc.global_batch_size)
-                n_tokens = float(mask[sl].sum().clamp(min=1))
+                g_end = min(g + tc.global_batch_size, tokens.shape[0])
+                n_tokens = float(mask[g:g_end].sum().clamp(min=1))
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_total = 0.0
-                for m in range(g, min(g + tc.global_batch_size, tokens.shape[0]), tc.micro_batch_size):
-                    ms = slice(m, min(m + tc.micro_batch_size, g + tc.global_batch_size))
+                for m in range(g, g_end, tc.micro_batch_size):
+                    ms = slice(m, min(m + tc.micro_batch_size, g_end))
                     tok = tokens[ms].to(self.device)
                     full = torch.full((tok.shape[0],), tok.shape[1], device=self.device)
                     values = per_token_scores(self.model, tok, full)[:, :-1]
-                    loss, metrics = value_loss(values, old_values[ms].to(self.device), returns[ms].to(self.device),
-                                               mask[ms].to(self.device), clip=tc.value_clip, scale=tc.loss_scale,
-                                               num_tokens=n_tokens)
+                    loss, stats = value_loss(values, old_values[ms].to(self.device), returns[ms].to(self.device),
+                                             mask[ms].to(self.device), clip=tc.value_clip, scale=tc.loss_scale,
+                                             num_tokens=n_tokens)
                     loss.backward()
                     loss_total += float(loss.detach())
-                    weight = float(mask[ms].sum()) / n_tokens
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * weight
+                    values_seen[ms] = values.detach().cpu()
+                    clipped += float(stats["vf_clipfrac"]) * float(mask[ms].sum())
                 max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
                 if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
@@ -160,15 +165,21 @@ class CriticCore:
                 self.optimizer.step()
                 self.train_step += 1
                 losses.append(loss_total)
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
+                grad_norms.append(grad_norm)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-            self.model.eval()
-        n_steps = max(len(losses), 1)
-        n_global = math.ceil(tokens.shape[0] / tc.global_batch_size)
-        metrics = {k: v / (n_steps if k == "grad_norm" else n_global) for k, v in sums.items()}
-        metrics.update(lr=self.optimizer.param_groups[0]["lr"], optimizer_steps=len(losses), skipped_steps=skipped)
-        return (sum(losses) / n_steps if losses else float("nan")), metrics
+        n_mask = float(mask.sum().clamp(min=1))
+        metrics = {
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "vf_clipfrac": clipped / n_mask,
+            "explained_variance": float(explained_variance(values_seen, returns, mask)),
+            "values_mean": float(masked_mean(values_seen, mask)),
+            "returns_mean": float(masked_mean(returns, mask)),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "optimizer_steps": len(losses),
+            "skipped_steps": skipped,
+        }
+        return (sum(losses) / len(losses) if losses else float("nan")), metrics, self.train_step
 
     # --- checkpoints ----------------------------------------------------------------------------
     def validate_tag(self, tag: str) -> str:

@@ -42,10 +42,10 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
     async def Train(self, request: critic_pb2.TrainRequest, context) -> critic_pb2.TrainResponse:
         worker = self.service.require_ready()
         batch = self.core.validate_train(*(required(request, f) for f in ("tokens", "returns", "old_values", "mask")))
-        loss, metrics = await worker.run_exclusive("Train", lambda: self.core.train(*batch))
-        self.train_steps.set(self.core.train_step)
+        loss, metrics, step = await worker.run_exclusive("Train", lambda: self.core.train(*batch))
+        self.train_steps.set(step)
         self.last_loss.set(loss)
-        return critic_pb2.TrainResponse(loss=loss, metrics=metrics, train_step=self.core.train_step)
+        return critic_pb2.TrainResponse(loss=loss, metrics=metrics, train_step=step)
 
     @rpc_method("Save")
     async def Save(self, request: critic_pb2.SaveRequest, context) -> critic_pb2.SaveResponse:

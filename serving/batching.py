@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,8 @@ from typing import Any
 
 from .errors import NotReady, Overloaded
 from .metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,8 +35,11 @@ class _Work:
 
 
 class ModelWorker:
-    def __init__(self, metrics: ServiceMetrics, max_batch_size: int, max_queue_delay_s: float, max_queue_size: int):
+    def __init__(self, metrics: ServiceMetrics, max_batch_size: int, max_queue_delay_s: float, max_queue_size: int,
+                 on_failure: Callable[[], None] | None = None):
         self.metrics = metrics
+        self.on_failure = on_failure
+        self.failed = False
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
@@ -46,6 +52,20 @@ class ModelWorker:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The loop only ends by cancellation; anything else is a bug that must not leave clients hanging."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.critical("model worker failed", exc_info=task.exception())
+        self.failed = True
+        self._accepting = False
+        for w in self._queue:
+            if not w.future.done():
+                w.future.set_exception(NotReady("the model worker failed; the server is stopping"))
+        if self.on_failure is not None:
+            self.on_failure()
 
     async def run_exclusive(self, method: str, fn: Callable[[], Any]) -> Any:
         """Run fn() alone on the model thread after everything queued before it."""
@@ -71,7 +91,7 @@ class ModelWorker:
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:
+            except TimeoutError:  # distinct classes before Python 3.11
                 return None
         return self._queue[0]
 
@@ -118,12 +138,18 @@ class ModelWorker:
             finally:
                 self._busy = False
 
-    async def drain(self, timeout: float) -> None:
-        """Stop accepting work and wait (up to `timeout`) for what is queued or running to finish."""
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting work and wait up to `timeout` for what is queued or running to finish. Returns
+        False when work was still running at the deadline (its thread is then left to the caller)."""
         self._accepting = False
         deadline = time.monotonic() + timeout
         while (self._queue or self._busy) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        finished = not (self._queue or self._busy)
         if self._task is not None:
             self._task.cancel()
-        self._executor.shutdown(wait=True, cancel_futures=False)
+        for w in self._queue:  # only left when the deadline passed
+            if not w.future.done():
+                w.future.set_exception(NotReady("server is shutting down"))
+        self._executor.shutdown(wait=finished, cancel_futures=True)
+        return finished

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -130,6 +133,7 @@ class Service:
         self.cfg = cfg
         self.metrics = ServiceMetrics(self.name)
         self.worker: ModelWorker | None = None
+        self.abandoned = False
         self.ready = False
         self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None)
         add_ops_routes(self.app, self.metrics.registry, lambda: self.ready)
@@ -155,45 +159,76 @@ class Service:
             raise NotReady("model is not loaded yet or the server is shutting down")
         return self.worker
 
-    async def serve(self) -> None:
+    def _load_in_background(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Run load() in a daemon thread, so a SIGTERM during a long load need not wait for it."""
+        done = loop.create_future()
+
+        def settle(err: BaseException | None) -> None:
+            if done.done():
+                return
+            if err is None:
+                done.set_result(None)
+            else:
+                done.set_exception(err)
+
+        def run() -> None:
+            try:
+                self.load()
+                err = None
+            except BaseException as e:  # noqa: BLE001 - reported by the event loop
+                err = e
+            loop.call_soon_threadsafe(settle, err)
+
+        threading.Thread(target=run, name=f"{self.name}-load", daemon=True).start()
+        return done
+
+    async def serve(self) -> int:
+        """Run until SIGTERM/SIGINT; returns the process exit code."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+        exit_code = 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-        server = grpc.aio.server(options=grpc_options(cfg.max_message_mb))
+        # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
+        server = grpc.aio.server(options=[*grpc_options(cfg.max_message_mb), ("grpc.so_reuseport", 0)])
         names = self.add_servicers(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         for n in ["", *names]:
             await health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
-        bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        try:
+            bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise SystemExit(f"cannot listen on {cfg.host}:{cfg.port} (gRPC)")
+            log.error("%s cannot listen on %s:%d (gRPC): is the port taken?", self.name, cfg.host, cfg.port)
+            return 1
         await server.start()
 
         http = QuietUvicorn(uvicorn.Config(self.app, host=cfg.host, port=cfg.http_port, log_level="warning",
-                                       lifespan="off"))
+                                           lifespan="off"))
         http_task = asyncio.create_task(http.serve())
         log.info("%s listening: gRPC %s:%d, HTTP %s:%d", self.name, cfg.host, bound, cfg.host, cfg.http_port)
 
-        load_task = loop.run_in_executor(None, self.load)
+        load = self._load_in_background(loop)
         stop_task = asyncio.create_task(stop.wait())
-        await asyncio.wait([load_task, stop_task, http_task], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([load, stop_task, http_task], return_when=asyncio.FIRST_COMPLETED)
         if http_task.done() and not stop.is_set():
-            raise SystemExit(f"HTTP listener on {cfg.host}:{cfg.http_port} failed to start")
-        if load_task.done() and not stop.is_set() and load_task.exception() is not None:
-            err = load_task.exception()
-            log.error("%s cannot load its model: %s: %s", self.name, type(err).__name__, err)
+            log.error("%s cannot listen on %s:%d (HTTP): is the port taken?", self.name, cfg.host, cfg.http_port)
             await server.stop(0)
-            http.should_exit = True
-            await http_task
-            raise SystemExit(1)
-        if load_task.done() and not stop.is_set():
+            return 1
+        if load.done() and not stop.is_set() and load.exception() is not None:
+            err = load.exception()
+            log.error("%s cannot load its model: %s: %s", self.name, type(err).__name__, err)
+            stop.set()
+            exit_code = 1
+        if load.done() and not stop.is_set():
             self.worker = ModelWorker(self.metrics, cfg.batching.max_batch_size,
-                                      cfg.batching.max_queue_delay_ms / 1000, cfg.batching.max_queue_size)
+                                      cfg.batching.max_queue_delay_ms / 1000, cfg.batching.max_queue_size,
+                                      on_failure=lambda: stop.set())
             self.worker.start()
             self.ready = True
             self.metrics.ready.set(1)
@@ -201,21 +236,38 @@ class Service:
                 await health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s ready", self.name)
             await stop.wait()
+            if self.worker.failed:
+                exit_code = 1
 
+        # One deadline for the whole drain: RPCs in flight, then whatever is still queued on the model.
+        deadline = time.monotonic() + cfg.grace_period_s
         log.info("%s shutting down (grace %.0fs)", self.name, cfg.grace_period_s)
         self.ready = False
         self.metrics.ready.set(0)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(cfg.grace_period_s)
+        finished = True
         if self.worker is not None:
-            await self.worker.drain(cfg.grace_period_s)
+            finished = await self.worker.drain(max(0.0, deadline - time.monotonic()))
         http.should_exit = True
         await http_task
+        if not finished:
+            log.warning("%s: grace period over with model work still running; abandoning it", self.name)
+            self.abandoned = True
+        if not load.done():
+            log.info("%s: stopping before its model finished loading", self.name)
+            self.abandoned = True
         log.info("%s stopped", self.name)
+        return exit_code
 
 
 def run_service(service: Service) -> None:
-    """Entry point of `python -m <server>`: logging, event loop, exit code 0 after a clean shutdown."""
+    """Entry point of `python -m <server>`: logging, event loop, then exit: 0 after a clean shutdown, 1 when
+    the server could not start or its model worker failed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()
-    asyncio.run(service.serve())
+    code = asyncio.run(service.serve())
+    if service.abandoned:  # a model thread is still busy: exit now rather than wait for it or tear it down
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)

@@ -41,10 +41,11 @@ def free_port() -> int:
 class ServiceProcess:
     """A service started as `python -m ...`; waits for /ready, stops with SIGTERM."""
 
-    def __init__(self, name: str, *extra: str, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, name: str, *extra: str, log_dir: Path, env: dict[str, str] | None = None,
+                 grpc_port: int | None = None, http_port: int | None = None):
         self.name = name
-        self.grpc_port = free_port() if PORTS[name][0] is not None else None
-        self.http_port = free_port()
+        self.grpc_port = (grpc_port or free_port()) if PORTS[name][0] is not None else None
+        self.http_port = http_port or free_port()
         self.argv = [sys.executable, *service_args(name, self.grpc_port, self.http_port), *extra]
         self.log_path = log_dir / f"{name}-{self.http_port}.log"
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}

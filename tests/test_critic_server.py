@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
 import signal
 import subprocess
@@ -84,24 +83,31 @@ def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
     requests = [batch(100 + i, b=2, s=6 + i) for i in range(8)]
     expected = [infer(stub, t, n) for t, n in requests]
     before = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}')
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda tn: infer(stub, *tn), requests))
+    calls = [stub.Infer.future(critic_pb2.InferRequest(tokens=encode(t), lengths=encode(n)), timeout=60)
+             for t, n in requests]  # all sent within a few milliseconds, inside the 200 ms batching window
+    got = [decode(c.result().values, "values") for c in calls]
     batches = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}') - before
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
     assert batches < len(requests), f"{len(requests)} concurrent requests ran as {batches} batches"
 
 
-def test_a_train_sent_before_an_infer_is_applied_first(stub):
+def test_a_train_sent_before_an_infer_is_applied_first(critic, stub):
     tokens, lengths = batch(1)
     before = infer(stub, tokens, lengths)
     step0 = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
-    train = stub.Train.future(train_request(tokens, 3.0), timeout=120)
+    big, _ = batch(12, b=1024, s=48)  # about a second of training on a CPU
+    started = _metric(critic, r'ppo_critic_queue_duration_seconds_count\{method="Train"\}')
+    train = stub.Train.future(train_request(big, 3.0), timeout=120)
+    deadline = time.monotonic() + 60  # send the Infer once the Train has left the queue and is running
+    while _metric(critic, r'ppo_critic_queue_duration_seconds_count\{method="Train"\}') == started:
+        assert time.monotonic() < deadline and not train.done()
+        time.sleep(0.005)
     concurrent_infer = stub.Infer.future(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=120)
     reply = train.result()
     seen = decode(concurrent_infer.result().values, "values")
     after = infer(stub, tokens, lengths)
-    assert reply.train_step == step0 + 1 and reply.loss > 0
+    assert reply.train_step > step0 and reply.loss > 0
     assert {"grad_norm", "vf_clipfrac", "explained_variance", "lr"} <= set(reply.metrics)
     assert not torch.allclose(after, before, atol=1e-4)
     torch.testing.assert_close(seen, after, atol=1e-6, rtol=1e-6)  # the Infer saw the trained weights
@@ -296,3 +302,46 @@ def test_train_loss_equals_the_value_loss_of_the_same_weights_in_process(critic,
                                                old_values=encode(old_values), mask=encode(mask)), timeout=120)
     assert reply.loss == pytest.approx(float(expected), rel=1e-4)
     assert reply.metrics["vf_clipfrac"] == pytest.approx(float(stats["vf_clipfrac"]), abs=1e-6)
+
+
+def test_a_second_server_on_a_taken_port_fails_instead_of_sharing_it(critic, log_dir):
+    result = subprocess.run([sys.executable, "-m", "critic_server", "--port", str(critic.grpc_port), "--http-port", "0"],
+                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{critic.grpc_port}" in result.stderr
+
+
+def test_a_critic_resumes_from_its_checkpoint_with_the_configured_lr(critic, stub, log_dir):
+    tokens, lengths = batch(13)
+    stub.Train(train_request(tokens, 2.0), timeout=120)
+    saved = stub.Save(critic_pb2.SaveRequest(tag="resume-me"), timeout=120)
+    expected = infer(stub, tokens, lengths)
+    with ServiceProcess("critic", "--model", saved.path, "train.lr=1e-5", "--checkpoint-dir",
+                        str(log_dir / "ckpt-resumed"), log_dir=log_dir) as resumed:
+        ch = channel(resumed.address)
+        other = critic_pb2_grpc.CriticServiceStub(ch)
+        assert other.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == saved.train_step
+        torch.testing.assert_close(infer(other, tokens, lengths), expected, atol=1e-6, rtol=1e-6)
+        reply = other.Train(train_request(tokens, 2.0), timeout=120)
+        assert reply.train_step == saved.train_step + 1 and reply.metrics["lr"] == pytest.approx(1e-5)
+        ch.close()
+    assert "resumed critic optimizer state" in resumed.log()
+
+
+def test_shutdown_is_bounded_by_the_grace_period(embedded_cache, log_dir):
+    proc = ServiceProcess("critic", "grace_period_s=1", "--checkpoint-dir", str(log_dir / "ckpt-grace"),
+                          log_dir=log_dir).start()
+    ch = channel(proc.address)
+    stub = critic_pb2_grpc.CriticServiceStub(ch)
+    tokens, _ = batch(14, b=1024, s=48)
+    pending = [stub.Train.future(train_request(tokens, 1.0), timeout=120) for _ in range(8)]  # several seconds
+    deadline = time.monotonic() + 60
+    while _metric(proc, "ppo_critic_queue_size") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.terminate(60) == 0
+    assert time.monotonic() - start < 5, "shutdown outlasted the 1 s grace period by far"
+    assert "abandoning" in proc.log()
+    assert any(not p.done() or p.exception() is not None for p in pending)
+    ch.close()

@@ -56,7 +56,7 @@ def test_actor_trains_two_steps_and_writes_metrics_and_checkpoints(servers, tmp_
                 break
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     assert ready_seen, "the actor's /ready and /metrics never answered while it trained"
@@ -138,3 +138,23 @@ def test_actor_sigterm_finishes_the_step_checkpoints_and_exits_zero(servers, tmp
     assert 1 <= len(steps) < 500
     meta = json.loads((run_dir / "checkpoints" / f"step_{steps[-1]}" / "checkpoint.json").read_text())
     assert meta["step"] == steps[-1] and "SIGTERM" in out
+
+
+def test_an_actor_started_before_its_servers_waits_for_them(embedded_cache, log_dir, tmp_path):
+    critic_port, reward_port = free_port(), free_port()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", "0",
+           f"run_dir={run_dir}", *TWO_STEPS, f"critic.address=127.0.0.1:{critic_port}",
+           f"reward.address=127.0.0.1:{reward_port}", "critic.connect_timeout_s=180", "reward.connect_timeout_s=180"]
+    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(2)
+        assert actor.poll() is None, actor.communicate()[0]
+        with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ckpt"), grpc_port=critic_port,
+                            log_dir=log_dir), ServiceProcess("reward", grpc_port=reward_port, log_dir=log_dir):
+            out, _ = actor.communicate(timeout=300)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 0, out
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
