@@ -39,6 +39,8 @@ from .rest import QuietUvicorn, add_ops_routes
 
 log = logging.getLogger(__name__)
 
+_REPLY_FLUSH_S = 1.0  # after the model work drained: time for the last replies to reach their clients
+
 
 class BatchingConfig(StrictModel):
     """Dynamic batching of concurrent inference requests."""
@@ -239,16 +241,18 @@ class Service:
             if self.worker.failed:
                 exit_code = 1
 
-        # One deadline for the whole drain: RPCs in flight, then whatever is still queued on the model.
+        # One deadline: the model work that calls in flight wait for (queued and running) finishes first, then
+        # gRPC stops with a short window to send their replies; long-lived streams such as a health Watch
+        # must not hold the process for the whole grace period.
         deadline = time.monotonic() + cfg.grace_period_s
         log.info("%s shutting down (grace %.0fs)", self.name, cfg.grace_period_s)
         self.ready = False
         self.metrics.ready.set(0)
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(cfg.grace_period_s)
         finished = True
         if self.worker is not None:
             finished = await self.worker.drain(max(0.0, deadline - time.monotonic()))
+        await server.stop(min(_REPLY_FLUSH_S, max(0.0, deadline - time.monotonic())) if finished else 0)
         http.should_exit = True
         await http_task
         if not finished:

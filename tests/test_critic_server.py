@@ -92,6 +92,18 @@ def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
     assert batches < len(requests), f"{len(requests)} concurrent requests ran as {batches} batches"
 
 
+def test_a_caller_that_goes_away_does_not_disturb_its_batch_mates(stub):
+    requests = [batch(200 + i, b=2, s=8) for i in range(6)]
+    expected = [infer(stub, t, n) for t, n in requests]
+    calls = [stub.Infer.future(critic_pb2.InferRequest(tokens=encode(t), lengths=encode(n)), timeout=60)
+             for t, n in requests]
+    calls[2].cancel()
+    for i, (c, e) in enumerate(zip(calls, expected)):
+        if i != 2:
+            torch.testing.assert_close(decode(c.result().values, "values"), e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(infer(stub, *requests[2]), expected[2], atol=1e-5, rtol=1e-5)
+
+
 def test_a_train_sent_before_an_infer_is_applied_first(critic, stub):
     tokens, lengths = batch(1)
     before = infer(stub, tokens, lengths)
@@ -238,14 +250,19 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero(embedded_cache, log_dir)
     while _metric(proc, "ppo_critic_queue_size") < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not all(p.done() for p in pending), "the Trains finished before SIGTERM; make them larger"
+    watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
     proc.proc.send_signal(signal.SIGTERM)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # watchers hear of the shutdown
     deadline = time.monotonic() + 10
     while httpx.get(f"{proc.http}/ready").status_code != 503 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert httpx.get(f"{proc.http}/ready").status_code == 503  # readiness drops while work drains
     assert not all(p.done() for p in pending)
     assert all(p.result().train_step > 0 for p in pending)  # accepted work completes
+    drained = time.monotonic()
     assert proc.terminate(60) == 0
+    assert time.monotonic() - drained < 10, "an open health Watch held the shutdown"
     ch.close()
     assert "shutting down" in proc.log() and "stopped" in proc.log()
 
