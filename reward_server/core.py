@@ -25,7 +25,7 @@ from serving.modeling import (
     right_pad,
     vocab_sha256,
 )
-from serving.validation import check_lengths, check_tokens
+from serving.validation import check_int_vector, check_lengths, check_tokens
 
 from .config import RewardConfig
 from .scorers import SCORERS, component_name
@@ -139,10 +139,7 @@ class RewardCore:
         tokens, lengths = tokens.long(), lengths.long()
         inp = ScoreInput(rows=b, tokens=tokens, lengths=lengths)
         if prompt_lengths is not None:
-            dtype = prompt_lengths.dtype
-            if prompt_lengths.shape != (b,) or dtype.is_floating_point or dtype == torch.bool:
-                raise InvalidArgument(f"prompt_lengths: expected integer shape [{b}], got "
-                                      f"{prompt_lengths.dtype} {list(prompt_lengths.shape)}")
+            check_int_vector(prompt_lengths, "prompt_lengths", b)
             bad = ((prompt_lengths < 0) | (prompt_lengths > lengths)).nonzero()
             if len(bad):
                 i = int(bad[0, 0])

@@ -60,5 +60,4 @@ def add_reward_routes(service: RewardService) -> None:
             code = grpc.StatusCode.INTERNAL
             return JSONResponse({"detail": f"get_reward failed: {type(e).__name__}: {e}"}, status_code=500)
         finally:
-            metrics.requests.labels("get_reward", code.name).inc()
-            metrics.latency.labels("get_reward").observe(time.perf_counter() - start)
+            metrics.record_request("get_reward", code.name, time.perf_counter() - start)

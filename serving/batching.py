@@ -91,7 +91,7 @@ class ModelWorker:
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:  # distinct classes before Python 3.11
+            except TimeoutError:
                 return None
         return self._queue[0]
 

@@ -31,3 +31,9 @@ class ServiceMetrics:
         self.queue_depth = Gauge(f"{p}_queue_size", "Requests waiting for the model worker", registry=self.registry)
         self.ready = Gauge(f"{p}_ready", "1 when the model is loaded and the server accepts work",
                            registry=self.registry)
+
+    def record_request(self, method: str, code: str, seconds: float | None = None) -> None:
+        """Count one finished request by method and status code; time it when `seconds` is given."""
+        self.requests.labels(method, code).inc()
+        if seconds is not None:
+            self.latency.labels(method).observe(seconds)

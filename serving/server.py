@@ -90,8 +90,7 @@ def rpc_method(name: str) -> Callable:
                 code = grpc.StatusCode.INTERNAL
                 await context.abort(code, f"{name} failed: {type(e).__name__}: {e}")
             finally:
-                self.metrics.requests.labels(name, code.name).inc()
-                self.metrics.latency.labels(name).observe(time.perf_counter() - start)
+                self.metrics.record_request(name, code.name, time.perf_counter() - start)
 
         return wrapper
 
@@ -118,7 +117,7 @@ def _parse_then(behavior: Callable, request_cls: type, name: str, metrics: Servi
         try:
             request = request_cls.FromString(raw)
         except DecodeError as e:
-            metrics.requests.labels(name, grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            metrics.record_request(name, grpc.StatusCode.INVALID_ARGUMENT.name)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request: not a valid {request_cls.DESCRIPTOR.full_name} message ({e})")
         return await behavior(request, context)
@@ -143,7 +142,7 @@ class Service:
         @self.app.exception_handler(RequestValidationError)
         async def count_rejected_body(request, exc):
             """A REST body FastAPI rejects (422) counts as an INVALID_ARGUMENT request of its route."""
-            self.metrics.requests.labels(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            self.metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
             return await request_validation_exception_handler(request, exc)
 
     # --- to implement -------------------------------------------------------------------------

@@ -21,10 +21,15 @@ def check_tokens(tokens: torch.Tensor, field: str, vocab_size: int, max_length: 
         raise InvalidArgument(f"{field}: token ids must lie in [0, {vocab_size}), got range [{lo}, {hi}]")
 
 
+def check_int_vector(t: torch.Tensor, field: str, batch: int) -> None:
+    """t must be an integer tensor of shape [batch]."""
+    if t.shape != (batch,) or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise InvalidArgument(f"{field}: expected integer shape [{batch}], got {t.dtype} {list(t.shape)}")
+
+
 def check_lengths(lengths: torch.Tensor, field: str, batch: int, seq_len: int) -> None:
     """lengths must be an integer [B] tensor with 1 <= lengths[b] <= S."""
-    if lengths.shape != (batch,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise InvalidArgument(f"{field}: expected integer shape [{batch}], got {lengths.dtype} {list(lengths.shape)}")
+    check_int_vector(lengths, field, batch)
     if int(lengths.min()) < 1 or int(lengths.max()) > seq_len:
         raise InvalidArgument(f"{field}: every length must lie in [1, {seq_len}], got [{int(lengths.min())}, {int(lengths.max())}]")
 
