@@ -10,6 +10,7 @@ from serving.config import parse_cli
 from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
 from .data import DataError
+from .rollouts import DynamicSamplingError
 
 FLAGS = {
     "--http-port": ("http_port", "REST port for /health, /ready, /metrics (0 disables)"),
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         trainer.fit()
-    except RemoteError as e:
+    except (RemoteError, DynamicSamplingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -3,21 +3,29 @@ actor keeps working (generating, computing log-probs, training) while the server
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
+import httpx
 import torch
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
 from serving.server import grpc_options
 
-from .config import RemoteConfig
+from .config import RemoteConfig, RewardConfig
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# rewards float32 [B] and named components {name: float32 [B]}
+Scores = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class RemoteError(RuntimeError):
@@ -29,9 +37,9 @@ class IncompatibleServer(RuntimeError):
 
 
 class Pending(Generic[T]):
-    """A call in flight; result() waits for it and converts the reply."""
+    """A call in flight (a gRPC or a thread-pool future); result() waits for it and converts the reply."""
 
-    def __init__(self, call: grpc.Future, convert: Callable, what: str):
+    def __init__(self, call: grpc.Future | Future, convert: Callable, what: str):
         self._call, self._convert, self._what = call, convert, what
 
     def done(self) -> bool:
@@ -43,6 +51,10 @@ class Pending(Generic[T]):
         except grpc.RpcError as e:
             raise RemoteError(f"{self._what} failed: {e.code().name}: {e.details()}") from None
         return self._convert(reply)
+
+    def then(self, convert: Callable[[T], Any]) -> Pending:
+        """The same call with a further conversion of its result."""
+        return Pending(self._call, lambda reply: convert(self._convert(reply)), self._what)
 
 
 def open_channel(name: str, cfg: RemoteConfig) -> grpc.Channel:
@@ -113,9 +125,13 @@ class CriticClient:
 
         return Pending(self.stub.Infer.future(req, timeout=self.cfg.timeout_s), convert, f"{self.what} Infer")
 
-    def train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor) -> Pending[TrainResult]:
-        req = critic_pb2.TrainRequest(tokens=encode(tokens), returns=encode(returns.float()),
-                                      old_values=encode(old_values.float()), mask=encode(mask.float()))
+    def train(self, tokens: torch.Tensor, lengths: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
+              mask: torch.Tensor, value_clip: float, loss_scale: float) -> Pending[TrainResult]:
+        """One critic training pass; `lengths` gives the attention mask inference used, the value-loss
+        settings travel with the request (the actor's value_loss_fn)."""
+        req = critic_pb2.TrainRequest(tokens=encode(tokens), lengths=encode(lengths), returns=encode(returns.float()),
+                                      old_values=encode(old_values.float()), mask=encode(mask.float()),
+                                      value_clip=value_clip, loss_scale=loss_scale)
         return Pending(self.stub.Train.future(req, timeout=self.cfg.timeout_s),
                        lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step), f"{self.what} Train")
 
@@ -138,26 +154,104 @@ class RewardClient:
         """What the server runs; waits while its model is still loading."""
         return wait_for_info("reward", self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
 
-    def score(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor) -> Pending[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        """Rewards float32 [B] and named components {name: [B]}."""
-        req = reward_pb2.ScoreRequest(tokens=encode(tokens), lengths=encode(lengths), prompt_lengths=encode(prompt_lengths))
+    def score_tokens(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
+                     labels: list[str] | None = None) -> Pending[Scores]:
+        """Score the policy's token ids (the server shares the policy's tokenizer)."""
+        req = reward_pb2.ScoreRequest(tokens=encode(tokens), lengths=encode(lengths),
+                                      prompt_lengths=encode(prompt_lengths), labels=labels or [])
+        return Pending(self.stub.Score.future(req, timeout=self.cfg.timeout_s), _convert_scores, f"{self.what} Score")
 
-        def convert(r: reward_pb2.ScoreResponse):
-            return decode(r.rewards, "rewards"), {k: decode(v, k) for k, v in r.components.items()}
-
-        return Pending(self.stub.Score.future(req, timeout=self.cfg.timeout_s), convert, f"{self.what} Score")
+    def score_texts(self, texts: list[str], prompts: list[str], labels: list[str] | None = None) -> Pending[Scores]:
+        """Score prompt+response strings (the server tokenizes them with its own tokenizer)."""
+        req = reward_pb2.ScoreRequest(texts=texts, prompts=prompts, labels=labels or [])
+        return Pending(self.stub.Score.future(req, timeout=self.cfg.timeout_s), _convert_scores, f"{self.what} Score")
 
     def close(self) -> None:
         self.channel.close()
 
 
+def _convert_scores(r: reward_pb2.ScoreResponse) -> Scores:
+    return decode(r.rewards, "rewards"), {k: decode(v, k) for k, v in r.components.items()}
+
+
+def label_text(label: Any) -> str:
+    """A label as the reward server's `labels` field carries it: strings as they are, anything else as JSON."""
+    return label if isinstance(label, str) else json.dumps(label, ensure_ascii=False)
+
+
+class OpenRLHFRewardClient:
+    """Any server speaking OpenRLHF's remote reward protocol: POST {"query", "prompts", "labels"} to `url`,
+    read `rewards` (and components from `extra_logs`). Requests run on a small thread pool so the actor keeps
+    working; a request that cannot connect is retried with backoff (`reward.retries`), each within
+    `reward.timeout_s`."""
+
+    def __init__(self, cfg: RewardConfig):
+        assert cfg.url is not None
+        self.cfg, self.url = cfg, cfg.url
+        self.http = httpx.Client(timeout=cfg.timeout_s)
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="openrlhf-reward")
+
+    def score_texts(self, texts: list[str], prompts: list[str], labels: list[Any] | None = None) -> Pending[Scores]:
+        body: dict[str, Any] = {"query": texts, "prompts": prompts}
+        if labels is not None:
+            body["labels"] = labels
+        return Pending(self.pool.submit(self._post, body), lambda scores: scores, f"reward server {self.url}")
+
+    def _post(self, body: dict) -> Scores:
+        n = len(body["query"])
+        delay = 0.5
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                reply = self.http.post(self.url, json=body)
+                break
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+                if attempt == self.cfg.retries:
+                    raise RemoteError(f"reward server {self.url} (reward.url): cannot connect after "
+                                      f"{attempt + 1} tries: {e}") from None
+                log.warning("reward server %s: %s; retrying in %.1f s", self.url, e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 8.0)
+            except httpx.TimeoutException:
+                raise RemoteError(f"reward server {self.url} (reward.url) did not answer within "
+                                  f"{self.cfg.timeout_s:.0f} s (reward.timeout_s)") from None
+            except httpx.HTTPError as e:
+                raise RemoteError(f"reward server {self.url} (reward.url): {type(e).__name__}: {e}") from None
+        if reply.status_code != 200:
+            raise RemoteError(f"reward server {self.url} answered HTTP {reply.status_code}: {reply.text[:500]}")
+        try:
+            data = reply.json()
+            rewards = torch.tensor([float(x) for x in data["rewards"]], dtype=torch.float32)
+            components = {k: torch.tensor([float(x) for x in v], dtype=torch.float32)
+                          for k, v in (data.get("extra_logs") or {}).items() if isinstance(v, list) and len(v) == n}
+        except (ValueError, KeyError, TypeError) as e:
+            raise RemoteError(f"reward server {self.url}: expected JSON with a list of {n} numbers under "
+                              f"'rewards', got {reply.text[:200]!r} ({e})") from None
+        if rewards.shape != (n,):
+            raise RemoteError(f"reward server {self.url}: {rewards.numel()} rewards for {n} queries")
+        return rewards, components
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+
 def check_compatible(name: str, info, vocab_sha256: str, vocab_size: int, needed_length: int, why: str) -> None:
-    """Fail at start-up, with a message saying what differs, if a server cannot serve this actor."""
+    """Fail at start-up, with a message saying what differs, if a server cannot take this actor's token ids."""
     if info.vocab_sha256 and info.vocab_sha256 != vocab_sha256:
+        fix = {
+            "critic": "the critic must share the policy's tokenizer (it scores every policy token): serve a critic "
+                      "built on the policy's tokenizer",
+            "reward": "set reward.input=text (or auto) so the actor sends decoded texts, or serve a reward model with "
+                      "the policy's tokenizer",
+            "rule": "the rule scorer decodes token ids with the reward server's `tokenizer` key: start it with "
+                    "tokenizer=<the policy's path>, or set reward.input=text (or auto)",
+        }[name]
+        server = "reward" if name == "rule" else name
         raise IncompatibleServer(
-            f"the {name} server's model {info.model!r} uses a different tokenizer vocabulary than the policy "
-            f"(vocab sha256 {info.vocab_sha256[:12]} vs {vocab_sha256[:12]}); serve a model with the policy's tokenizer"
+            f"the {server} server's model {info.model!r} uses a different tokenizer vocabulary than the policy "
+            f"(vocab sha256 {info.vocab_sha256[:12]} vs {vocab_sha256[:12]}); {fix}"
         )
+    name = "reward" if name == "rule" else name
     if info.vocab_size < vocab_size:
         raise IncompatibleServer(f"the {name} server's model {info.model!r} has vocab size {info.vocab_size}, "
                                  f"smaller than the policy's {vocab_size}")

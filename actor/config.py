@@ -1,5 +1,10 @@
-"""Configuration of the actor (`python -m actor --config FILE [key=value ...]`); README "Configuration"
-lists every key. Defaults follow NeMo-Aligner's PPO where it has one."""
+"""Configuration of the actor (`python -m actor --config FILE [key=value ...]`), in NeMo-RL's shape.
+
+Sections and key names follow NeMo-RL wherever it has the concept (`ppo`, `loss_fn`, `value_loss_fn`,
+`policy`, `data`, `logger`, `checkpointing`); what is ours (server addresses, the KL controller, the REST
+endpoint) has sections of its own. docs/configuration.md lists every key; docs/algorithms.md maps
+NeMo-Aligner's names to these. Contradictory settings fail at start-up naming both keys.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from serving.config import StrictModel
+
+AdvEstimatorName = Literal["gae", "raw_reward", "grpo", "gdpo", "reinforce_plus_plus"]
+KLType = Literal["k1", "k2", "k3"]
 
 
 class RemoteConfig(StrictModel):
@@ -20,78 +28,256 @@ class RemoteConfig(StrictModel):
 
 
 class RewardConfig(RemoteConfig):
-    address: str = Field("127.0.0.1:5556", description="host:port of the reward server.")
-    source: Literal["server", "critic"] = Field(
-        "server", description="server: score with the reward server; critic: use the rewards of a combined RM + critic server."
+    address: str = Field("127.0.0.1:5556", description="host:port of the reward server (source: server).")
+    source: Literal["server", "critic", "openrlhf"] = Field(
+        "server",
+        description="server: our reward server over gRPC; critic: the rewards of a combined RM + critic server; "
+        "openrlhf: POST prompt and response texts (and labels) to `url`, any server speaking OpenRLHF's "
+        "/get_reward protocol.",
     )
+    input: Literal["auto", "tokens", "text"] = Field(
+        "auto",
+        description="What the reward server is sent (source: server): tokens (the policy's ids; the server must "
+        "share the policy's tokenizer), text (decoded prompt and response strings; for a reward model with its "
+        "own tokenizer), auto (tokens when the server's vocabulary equals the policy's, else text).",
+    )
+    url: str | None = Field(None, description="source: openrlhf: the endpoint, e.g. http://rm-host:8002/get_reward.")
+    retries: int = Field(3, ge=0, description="source: openrlhf: retries of a request that failed to connect.")
 
 
 class CriticConfig(RemoteConfig):
-    address: str = Field("127.0.0.1:5555", description="host:port of the critic server.")
+    address: str = Field("127.0.0.1:5555", description="host:port of the critic server (used only by estimators that need values: gae).")
+
+
+class GenerationConfig(StrictModel):
+    """NeMo-RL's policy.generation."""
+
+    backend: Literal["torch"] = Field("torch", description="Rollout engine; torch runs the policy itself (KV cache).")
+    max_new_tokens: int = Field(16, ge=1, description="Longest response; longer ones are truncated (not 'properly ended').")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
+    top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens; null disables.")
+    stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens besides EOS.")
+    val_temperature: float = Field(0.0, ge=0, description="Validation temperature; 0 (the default) is greedy.")
+    val_top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus mass.")
+    val_top_k: int | None = Field(None, ge=1, description="Validation top-k; null disables.")
+
+
+class OptimizerKwargs(StrictModel):
+    lr: float = Field(9e-7, gt=0, description="Learning rate (NeMo-Aligner's actor default).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+
+
+class OptimizerConfig(StrictModel):
+    name: Literal["torch.optim.AdamW"] = Field("torch.optim.AdamW", description="Optimizer class.")
+    kwargs: OptimizerKwargs = Field(default_factory=OptimizerKwargs)
+
+
+class PolicyConfig(StrictModel):
+    model_name: str = Field("embedded:policy", description="SFT policy: Hugging Face causal-LM path or hub id, or embedded:policy.")
+    reference_model_name: str | None = Field(None, description="Frozen reference policy for the KL term; defaults to model_name.")
+    train_global_batch_size: int = Field(64, ge=1, description="Samples per policy optimizer step.")
+    train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
+    logprob_batch_size: int = Field(8, ge=1, description="Samples per forward pass when computing rollout and reference log-probs.")
+    generation_batch_size: int = Field(8, ge=1, description="Samples per generation call; each batch's critic and reward requests go out as soon as it is generated.")
+    precision: Literal["float32", "bfloat16"] = Field("float32", description="Policy weights' dtype.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
+    device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> PolicyConfig:
+        if self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                             f"policy.train_micro_batch_size ({self.train_micro_batch_size})")
+        return self
+
+
+class AdvEstimatorConfig(StrictModel):
+    name: AdvEstimatorName = Field("gae", description="gae (critic values), raw_reward, grpo, gdpo, reinforce_plus_plus (no critic).")
+    gae_gamma: float = Field(1.0, ge=0, le=1, description="gae: discount factor (NeMo-Aligner discount_factor).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="gae: lambda.")
+    gae_lambda_value: float | None = Field(None, ge=0, le=1, description="gae: lambda of the critic's returns (VAPO); null: gae_lambda.")
+    gae_lambda_policy: float | None = Field(None, ge=0, le=1, description="gae: lambda of the policy's advantages (VAPO); null: gae_lambda.")
+    length_adaptive_alpha: float = Field(0.0, ge=0, description="gae: > 0 sets each sample's policy lambda to clamp(1 - 1/(alpha * length), 0, 1); wins over gae_lambda_policy.")
+    normalize_advantages: bool = Field(True, description="gae, raw_reward: whiten advantages over the step's response tokens.")
+    use_leave_one_out_baseline: bool = Field(True, description="grpo, gdpo: baseline = mean of the other samples of the prompt (else the group mean).")
+    normalize_rewards: bool = Field(True, description="grpo, gdpo: divide by the group's reward std where it is > 0.")
+    minus_baseline: bool = Field(True, description="reinforce_plus_plus: subtract the prompt's mean reward.")
+    advantage_clip_low: float | None = Field(None, description="Clip advantages from below; null disables.")
+    advantage_clip_high: float | None = Field(None, description="Clip advantages from above; null disables.")
+    reward_components: list[str] | None = Field(
+        None, description="gdpo: the reward components (names as the reward server reports them, e.g. reward/positive_fraction); null: all of them (at least two)."
+    )
+    reward_weights: list[float] | None = Field(None, description="gdpo: one weight per component; null: 1 each.")
+
+
+class RewardScalingConfig(StrictModel):
+    enabled: bool = Field(False, description="Clamp rewards (and every component) to [source_min, source_max] and map them linearly to [target_min, target_max].")
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _range(self) -> RewardScalingConfig:
+        if self.source_max <= self.source_min:
+            raise ValueError(f"reward_scaling.source_max ({self.source_max}) must exceed reward_scaling.source_min ({self.source_min})")
+        return self
+
+
+class RewardShapingConfig(StrictModel):
+    enabled: bool = Field(False, description="DAPO overlong penalty: responses longer than max_response_length - overlong_buffer_length lose up to overlong_buffer_penalty.")
+    overlong_buffer_length: int = Field(4, ge=1, description="Tokens before max_response_length where the penalty ramps up.")
+    overlong_buffer_penalty: float = Field(1.0, ge=0, description="Penalty at max_response_length.")
+    max_response_length: int | None = Field(None, ge=1, description="null: policy.generation.max_new_tokens.")
+    stop_properly_penalty_coef: float | None = Field(None, ge=0, le=1, description="Truncated samples (no EOS or stop token) get reward * coef; null disables. Applied whether or not `enabled`.")
+
+
+class KLControllerConfig(StrictModel):
+    """KL to the reference policy in the reward (NeMo-Aligner, trlx, OpenRLHF). KL in the loss is loss_fn's."""
+
+    init_kl_coef: float = Field(0.0, ge=0, description="beta of the per-token KL penalty in the reward (NeMo-Aligner initial_policy_kl_penalty); 0 disables.")
+    kl_type: KLType = Field("k1", description="Per-token KL estimator in the reward.")
+    use_absolute_kl: bool = Field(True, description="Penalise |KL| per token (NeMo-Aligner's default).")
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed keeps beta; adaptive moves it towards `target` (trlx/OpenRLHF).")
+    target: float = Field(6.0, gt=0, description="adaptive: target KL per sample (sum over its tokens).")
+    horizon: int = Field(10000, ge=1, description="adaptive: samples over which beta may change by about 20%.")
+
+
+class PPOConfig(StrictModel):
+    """NeMo-RL's `ppo` / `grpo` section."""
+
+    num_prompts_per_step: int = Field(64, ge=1, description="Prompts per step.")
+    num_generations_per_prompt: int = Field(1, ge=1, description="Samples per prompt; group-relative estimators need >= 2.")
+    max_num_steps: int = Field(20, ge=1, description="Steps to run.")
+    max_num_epochs: int = Field(1_000_000, ge=1, description="Stop after this many passes over the training prompts.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
+    seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
+    val_period: int = Field(0, ge=0, description="Validate every N steps; 0 disables periodic validation.")
+    val_at_start: bool = Field(False, description="Validate before the first step (step 0).")
+    val_at_end: bool = Field(False, description="Validate after the last step.")
+    val_batch_size: int = Field(64, ge=1, description="Validation prompts per generation call.")
+    max_val_samples: int = Field(64, ge=1, description="Validation prompts used (the first N of data.val_file).")
+    overlong_filtering: bool = Field(
+        True, description="Samples that did not end with EOS or a stop token get no policy gradient (NeMo-Aligner's rule); they still count in group baselines and train the critic."
+    )
+    use_dynamic_sampling: bool = Field(False, description="DAPO: keep only prompt groups whose rewards differ; generate more until the step is full.")
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1, description="Generation batches per step before dynamic sampling gives up with an error.")
+    batch_multiplier: float = Field(1.0, ge=1, description="Generate ceil(num_prompts_per_step * this) prompts per generation batch (dynamic sampling).")
+    policy_training_start_step: int = Field(
+        0, ge=0, description="The policy trains at steps >= this (steps count from 1, so 0 and 1 both train from the first); the critic trains from the first step. NeMo-Aligner critic_warmup_steps=N is N + 1."
+    )
+    skip_reference_policy_logprobs_calculation: bool = Field(False, description="Skip the reference model (allowed only without any KL term).")
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
+    kl_controller: KLControllerConfig = Field(default_factory=KLControllerConfig)
+
+
+class LossConfig(StrictModel):
+    """NeMo-RL's ClippedPGLossConfig."""
+
+    ratio_clip_min: float = Field(0.2, ge=0, description="Lower clip range: ratio >= 1 - this (NeMo-Aligner ratio_eps).")
+    ratio_clip_max: float = Field(0.2, ge=0, description="Upper clip range: ratio <= 1 + this (DAPO clip-higher: 0.28).")
+    ratio_clip_c: float | None = Field(None, gt=1, description="Dual clip: where A < 0 the loss is at most -c * A; null disables.")
+    token_level_loss: bool = Field(True, description="true: mean over the global batch's tokens; false: mean over tokens per sample, then over samples.")
+    entropy_bonus: float = Field(0.0, ge=0, description="Weight of the entropy bonus (NeMo-Aligner entropy_bonus).")
+    reference_policy_kl_penalty: float = Field(0.0, ge=0, description="beta of the per-token KL in the loss; 0 disables. Never together with ppo.kl_controller.init_kl_coef.")
+    reference_policy_kl_type: KLType = Field("k3", description="Per-token KL estimator in the loss.")
+    use_importance_sampling_correction: bool = Field(False, description="Weight tokens by exp(logprob at rollout - logprob of the generation engine) (off-policy generation).")
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = Field(
+        None, description="tis clamps the weight, icepop zeroes tokens outside the range, seq-mask-tis drops whole sequences."
+    )
+    truncated_importance_sampling_ratio: float = Field(2.0, gt=0, description="Upper bound of the importance weight.")
+    truncated_importance_sampling_ratio_min: float = Field(0.0, ge=0, description="Lower bound of the importance weight.")
+
+
+class ValueLossConfig(StrictModel):
+    """NeMo-RL's value_loss_fn, sent with every critic Train."""
+
+    cliprange: float | None = Field(0.2, ge=0, description="Clip values to old +- this in the loss (NeMo-Aligner loss_clip_val); null or 0 disables.")
+    scale: float = Field(1.0, gt=0, description="Multiplier of the value loss.")
 
 
 class DataConfig(StrictModel):
     train_file: str = Field("embedded:prompts_train", description="JSONL prompts, one object per line, or embedded:prompts_train.")
     val_file: str = Field("embedded:prompts_eval", description="JSONL prompts for validation, or embedded:prompts_eval.")
     prompt_key: str = Field("prompt", description="Key of the prompt text in each JSON object.")
-    max_prompt_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")
+    label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt.")
+    max_input_seq_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch.")
 
 
-class GenerationConfig(StrictModel):
-    backend: Literal["torch"] = Field("torch", description="Rollout engine; torch runs the policy itself.")
-    max_new_tokens: int = Field(16, ge=1, description="Longest response; longer ones are truncated (not 'properly ended').")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop tokens besides EOS.")
+class LoggerConfig(StrictModel):
+    tensorboard_enabled: bool = Field(True, description="Write TensorBoard events under <run_dir>/tensorboard.")
+    num_val_samples_to_print: int = Field(3, ge=0, description="Prompt/response/reward samples printed at the first and last step.")
 
 
-class PPOConfig(StrictModel):
-    num_rollout_samples: int = Field(512, ge=1, description="Samples generated per step.")
-    rollout_micro_batch_size: int = Field(8, ge=1, description="Samples per generation call; each micro-batch's critic and reward requests are sent as soon as it is generated.")
-    global_batch_size: int = Field(64, ge=1, description="Samples per actor optimizer step.")
-    micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
-    lr: float = Field(9e-7, gt=0, description="Actor AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="Actor AdamW weight decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables.")
-    ratio_eps: float = Field(0.2, gt=0, description="Clip range of the probability ratio (both sides).")
-    entropy_bonus: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the loss.")
-    kl_coef: float = Field(0.01, ge=0, description="Per-token KL-to-reference penalty in the reward (initial_policy_kl_penalty).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator.")
-    use_absolute_kl: bool = Field(True, description="Penalise |KL| per token (NeMo-Aligner's default).")
-    adv_estimator: Literal["gae"] = Field("gae", description="Advantage estimator.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    normalize_advantages: bool = Field(True, description="Whiten advantages over the step's response tokens.")
-
-    @model_validator(mode="after")
-    def _batches_divide(self) -> PPOConfig:
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"ppo.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                             f"ppo.micro_batch_size ({self.micro_batch_size})")
-        return self
+class CheckpointingConfig(StrictModel):
+    enabled: bool = Field(True, description="Write checkpoints under <run_dir>/checkpoints.")
+    save_period: int = Field(10, ge=0, description="Checkpoint every N steps (and always at the end); 0 only at the end.")
 
 
 class ActorConfig(StrictModel):
     """Every key of the actor, with its default."""
 
-    policy: str = Field("embedded:policy", description="SFT policy: Hugging Face causal-LM path or hub id, or embedded:policy.")
-    reference: str | None = Field(None, description="Frozen reference policy for the KL penalty; defaults to `policy`.")
     run_dir: str = Field("runs/ppo", description="metrics.jsonl, TensorBoard events, reward_curve.png and checkpoints go here.")
-    max_steps: int = Field(20, ge=1, description="PPO steps to run.")
-    save_interval: int = Field(10, ge=0, description="Checkpoint every N steps (and always at the end); 0 only at the end.")
-    val_check_interval: int = Field(0, ge=0, description="Validate (greedy generation on val_file) every N steps; 0 disables.")
-    num_val_samples: int = Field(64, ge=1, description="Validation prompts per validation.")
-    log_samples: int = Field(3, ge=0, description="Prompt/response/reward samples printed at the first and last step.")
-    seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
-    device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Policy weights' dtype.")
     host: str = Field("127.0.0.1", description="Interface of the actor's REST endpoints.")
     http_port: int = Field(8000, ge=0, le=65535, description="REST port for /health, /ready, /metrics; 0 disables.")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    loss_fn: LossConfig = Field(default_factory=LossConfig)
+    value_loss_fn: ValueLossConfig = Field(default_factory=ValueLossConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    ppo: PPOConfig = Field(default_factory=PPOConfig)
+
+    @property
+    def rollout_samples(self) -> int:
+        return self.ppo.num_prompts_per_step * self.ppo.num_generations_per_prompt
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ActorConfig:
+        """Refuse settings that contradict each other, naming both keys."""
+        p, est, kl = self.ppo, self.ppo.adv_estimator, self.ppo.kl_controller
+        name = f"ppo.adv_estimator.name={est.name}"
+        loss_kl = self.loss_fn.reference_policy_kl_penalty
+        if kl.init_kl_coef > 0 and loss_kl > 0:
+            raise ValueError("KL in the reward and in the loss: set ppo.kl_controller.init_kl_coef "
+                             f"({kl.init_kl_coef}) or loss_fn.reference_policy_kl_penalty ({loss_kl}) to 0")
+        if p.skip_reference_policy_logprobs_calculation and (kl.init_kl_coef > 0 or loss_kl > 0):
+            key = "ppo.kl_controller.init_kl_coef" if kl.init_kl_coef > 0 else "loss_fn.reference_policy_kl_penalty"
+            raise ValueError(f"ppo.skip_reference_policy_logprobs_calculation=true leaves no reference log-probs "
+                             f"for the KL term: {key} must be 0")
+        grouped = est.name in ("grpo", "gdpo") or (est.name == "reinforce_plus_plus" and est.minus_baseline)
+        if grouped and p.num_generations_per_prompt < 2:
+            raise ValueError(f"{name} compares the samples of each prompt: ppo.num_generations_per_prompt must be "
+                             f">= 2, got {p.num_generations_per_prompt}")
+        if p.use_dynamic_sampling and not grouped:
+            raise ValueError(f"ppo.use_dynamic_sampling=true keeps prompt groups whose rewards differ, but {name}"
+                             f"{' with minus_baseline=false' if est.name == 'reinforce_plus_plus' else ''} has no "
+                             "groups: use grpo, gdpo or reinforce_plus_plus")
+        if est.name in ("grpo", "gdpo") and kl.init_kl_coef > 0:
+            raise ValueError(f"{name} takes the KL in the loss: set ppo.kl_controller.init_kl_coef=0 and "
+                             "loss_fn.reference_policy_kl_penalty instead")
+        if est.reward_weights is not None and est.reward_components is not None \
+                and len(est.reward_weights) != len(est.reward_components):
+            raise ValueError(f"ppo.adv_estimator.reward_weights has {len(est.reward_weights)} entries but "
+                             f"ppo.adv_estimator.reward_components has {len(est.reward_components)}")
+        if self.reward.source == "openrlhf" and not self.reward.url:
+            raise ValueError("reward.source=openrlhf needs reward.url (e.g. http://host:8002/get_reward)")
+        if self.loss_fn.truncated_importance_sampling_type and not self.loss_fn.use_importance_sampling_correction:
+            raise ValueError("loss_fn.truncated_importance_sampling_type is set but "
+                             "loss_fn.use_importance_sampling_correction is false")
+        return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """Only GAE bootstraps from critic values (and a combined server may be the reward source)."""
+        return self.ppo.adv_estimator.name == "gae" or self.reward.source == "critic"

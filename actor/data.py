@@ -1,9 +1,12 @@
-"""Prompt data: JSONL files, one object per line with a prompt string. Errors name the file and line."""
+"""Prompt data: JSONL files, one object per line with a prompt string and optionally a reference answer
+(the label, any JSON value). Errors name the file and line."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -26,8 +29,18 @@ def resolve_data_file(spec: str) -> Path:
     return Path(spec)
 
 
-def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[list[int]]:
-    """Token ids of every prompt in a JSONL file (no special tokens added)."""
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its token ids and its label (None when the line has none)."""
+
+    ids: list[int]
+    label: Any = None
+    where: str = ""  # "FILE:LINE", for error messages
+
+
+def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_length: int,
+                 label_key: str = "label") -> list[Prompt]:
+    """Every prompt of a JSONL file, tokenized without special tokens, with its label if the line has one."""
     if not path.is_file():
         raise DataError(f"{path}: prompt file does not exist")
     prompts = []
@@ -45,8 +58,9 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
             if not ids:
                 raise DataError(f"{path}:{lineno}: prompt tokenizes to nothing")
             if len(ids) > max_length:
-                raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than data.max_prompt_length={max_length}")
-            prompts.append(ids)
+                raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than "
+                                f"data.max_input_seq_length={max_length}")
+            prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}"))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
@@ -55,7 +69,7 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
 class PromptSampler:
     """Endless epochs over the prompts, reshuffled each epoch by a seeded generator."""
 
-    def __init__(self, prompts: list[list[int]], seed: int, shuffle: bool = True):
+    def __init__(self, prompts: list[Prompt], seed: int, shuffle: bool = True):
         self.prompts, self.shuffle = prompts, shuffle
         self.gen = torch.Generator().manual_seed(seed)
         self.epoch, self.consumed = 0, 0
@@ -66,7 +80,12 @@ class PromptSampler:
         n = len(self.prompts)
         return torch.randperm(n, generator=self.gen).tolist() if self.shuffle else list(range(n))
 
-    def take(self, n: int) -> list[list[int]]:
+    @property
+    def finished_epochs(self) -> int:
+        """Complete passes over the prompts so far."""
+        return self.epoch + (self._pos == len(self._order))
+
+    def take(self, n: int) -> list[Prompt]:
         out = []
         while len(out) < n:
             if self._pos == len(self._order):
@@ -76,3 +95,10 @@ class PromptSampler:
             self._pos += 1
         self.consumed += n
         return out
+
+
+def require_labels(prompts: list[Prompt], label_key: str, why: str) -> None:
+    """Fail, naming the first line without one, unless every prompt has a label."""
+    missing = next((p for p in prompts if p.label is None), None)
+    if missing is not None:
+        raise DataError(f"{missing.where}: no {label_key!r} (data.label_key), but {why}")

@@ -44,6 +44,7 @@ def wait_ready(name: str, proc: subprocess.Popen, url: str, timeout: float) -> N
 def summarize(run_dir: Path) -> float:
     """Print the reward trajectory; returns the fraction of the gap to 1.0 that training closed."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("train_rollouts/rewards") is not None]  # not step 0's validation
     first = rows[0]["train_rollouts/rewards"]
     last3 = sum(r["train_rollouts/rewards"] for r in rows[-3:]) / len(rows[-3:])
     closed = (last3 - first) / max(1.0 - first, 1e-9)
@@ -54,25 +55,35 @@ def summarize(run_dir: Path) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "ppo.yaml"))
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="passed to the actor")
     args = parser.parse_args(argv)
 
-    run_dir = Path("runs/demo")
-    for o in args.overrides:
-        if o.startswith("run_dir="):
-            run_dir = Path(o.split("=", 1)[1])
+    from serving.config import ConfigError, load_config
+
+    from .config import ActorConfig
+
+    try:
+        cfg = load_config(ActorConfig, args.config, args.overrides)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    run_dir = Path(cfg.run_dir)
 
     print("building the embedded default (cached after the first run) ...", flush=True)
     subprocess.run([sys.executable, "-m", "embedded", "--no-report"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
     ports = {name: (free_port(), free_port()) for name in ("critic", "reward")}
     servers = {
-        "critic": [sys.executable, "-m", "critic_server", "--port", str(ports["critic"][0]),
-                   "--http-port", str(ports["critic"][1]), "--checkpoint-dir", str(run_dir / "checkpoints" / "critic")],
+        # the learned reward model, with the task's ground truth and a second rule as components (GDPO uses both)
         "reward": [sys.executable, "-m", "reward_server", "--port", str(ports["reward"][0]),
-                   "--http-port", str(ports["reward"][1]), "components=[positive_fraction]"],
+                   "--http-port", str(ports["reward"][1]), "components=[positive_fraction,no_negative]"],
     }
+    if cfg.needs_critic:
+        servers["critic"] = [sys.executable, "-m", "critic_server", "--port", str(ports["critic"][0]),
+                             "--http-port", str(ports["critic"][1]),
+                             "--checkpoint-dir", str(run_dir / "checkpoints" / "critic")]
+    else:
+        print(f"ppo.adv_estimator.name={cfg.ppo.adv_estimator.name} needs no critic: no critic server started")
     procs: dict[str, subprocess.Popen] = {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:

@@ -40,6 +40,9 @@ class Rollout:
     lengths: torch.Tensor
     prompt_lengths: torch.Tensor
     ended: torch.Tensor
+    # float32 [B, S-1]: the generation engine's log-prob of each response action (0 elsewhere), the
+    # behaviour policy of importance-sampling correction when the engine is not the trained policy
+    logprobs: torch.Tensor | None = None
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -53,8 +56,19 @@ class Rollout:
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """Stack micro-batch rollouts of different widths into one batch."""
+    logprobs = None
+    if all(p.logprobs is not None for p in parts):
+        logprobs = pad_and_stack([p.logprobs for p in parts])
     return Rollout(pad_and_stack([p.tokens for p in parts], pad_id), torch.cat([p.lengths for p in parts]),
-                   torch.cat([p.prompt_lengths for p in parts]), torch.cat([p.ended for p in parts]))
+                   torch.cat([p.prompt_lengths for p in parts]), torch.cat([p.ended for p in parts]), logprobs)
+
+
+def select_rows(r: Rollout, index: torch.Tensor) -> Rollout:
+    """The rows `index` (int64 [K]) of a rollout, trimmed to their longest row."""
+    lengths = r.lengths[index]
+    width = int(lengths.max()) if len(index) else 1
+    return Rollout(r.tokens[index, :width], lengths, r.prompt_lengths[index], r.ended[index],
+                   None if r.logprobs is None else r.logprobs[index, :width - 1])
 
 
 class GenerationBackend(Protocol):
@@ -106,6 +120,7 @@ class TorchGenerationBackend:
         self.model.eval()
         cache = DynamicCache()
         out = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        out_lp = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         resp_len = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=self.device)
         step_ids, positions = ids, (attn.cumsum(1) - 1).clamp(min=0)
@@ -119,6 +134,7 @@ class TorchGenerationBackend:
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             out[:, t] = nxt
+            out_lp[:, t] = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
             hit = torch.isin(nxt, stops) & ~done
             resp_len = torch.where(hit, torch.full_like(resp_len, t + 1), resp_len)
             done |= hit
@@ -129,7 +145,11 @@ class TorchGenerationBackend:
             attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype, device=self.device)], dim=1)
         self.model.train(was_training)
 
-        out, resp_len, done = out.cpu(), resp_len.cpu(), done.cpu()
+        out, out_lp, resp_len, done = out.cpu(), out_lp.cpu(), resp_len.cpu(), done.cpu()
         rows = [list(p) + out[i, : int(resp_len[i])].tolist() for i, p in enumerate(prompts)]
         tokens, lengths = right_pad(rows, self.pad_id)
-        return Rollout(tokens, lengths, widths.clone(), done)
+        logprobs = torch.zeros((b, tokens.shape[1] - 1), dtype=torch.float32)
+        for i, p in enumerate(prompts):  # action t produced token t + 1: the response starts at action len(p) - 1
+            n = int(resp_len[i])
+            logprobs[i, len(p) - 1: len(p) - 1 + n] = out_lp[i, :n]
+        return Rollout(tokens, lengths, widths.clone(), done, logprobs)

@@ -35,11 +35,11 @@ class Timers:
 
 
 class MetricsTracker:
-    def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry):
+    def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry, tensorboard: bool = True):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = (run_dir / "metrics.jsonl").open("w", encoding="utf-8")  # one run per file
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.tb = SummaryWriter(str(run_dir / "tensorboard")) if tensorboard else None
         self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True)
         self.history: list[dict] = []
         self.gauges = {
@@ -58,12 +58,14 @@ class MetricsTracker:
         self.jsonl.write(json.dumps({k: v if math.isfinite(v) else None for k, v in record.items()}) + "\n")
         self.jsonl.flush()
         for k, v in record.items():
-            if k != "step" and math.isfinite(v):
+            if self.tb is not None and k != "step" and math.isfinite(v):
                 self.tb.add_scalar(k, v, step)
             if k in self.gauges:
                 self.gauges[k].set(v)
-        self.tb.flush()
-        self.bar.update(1)
+        if self.tb is not None:
+            self.tb.flush()
+        if step > 0:  # step 0 is validation before training
+            self.bar.update(1)
         self.bar.set_postfix(reward=f"{record.get('train_rollouts/rewards', float('nan')):.3f}",
                              kl=f"{record.get('train_rollouts/init_policy_kl', float('nan')):.3f}",
                              critic=f"{record.get('critic/loss', float('nan')):.3f}")
@@ -78,16 +80,17 @@ class MetricsTracker:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        steps = [r["step"] for r in self.history]
+        train = [r for r in self.history if "train_rollouts/rewards" in r]
+        steps = [r["step"] for r in train]
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-        ax.plot(steps, [r["train_rollouts/rewards"] for r in self.history], marker="o", label="reward (rollouts)")
-        for key in sorted({k for r in self.history for k in r if k.startswith("train_rollouts/reward/")}):
-            ax.plot(steps, [r.get(key, float("nan")) for r in self.history], linestyle="--",
+        ax.plot(steps, [r["train_rollouts/rewards"] for r in train], marker="o", label="reward (rollouts)")
+        for key in sorted({k for r in train for k in r if k.startswith("train_rollouts/reward/")}):
+            ax.plot(steps, [r.get(key, float("nan")) for r in train], linestyle="--",
                     label=key.removeprefix("train_rollouts/"))
         if any("val/rewards" in r for r in self.history):
             vs = [(r["step"], r["val/rewards"]) for r in self.history if "val/rewards" in r]
-            ax.plot(*zip(*vs), marker="s", label="reward (validation, greedy)")
-        ax.set_xlabel("PPO step")
+            ax.plot(*zip(*vs), marker="s", label="reward (validation)")
+        ax.set_xlabel("step")
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -99,5 +102,6 @@ class MetricsTracker:
 
     def close(self) -> None:
         self.bar.close()
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
         self.jsonl.close()

@@ -1,7 +1,8 @@
-"""The PPO loop, NeMo-Aligner's PPOTrainer.fit split across services. One step reads top to bottom:
-rollouts (critic values and rewards requested per micro-batch, overlapping the actor's own log-prob
-passes) -> token rewards with the KL penalty -> GAE -> critic training sent without waiting -> clipped
-policy update -> metrics and checkpoints."""
+"""The training loop, NeMo-Aligner's PPOTrainer.fit split across services and grown to NeMo-RL's estimators.
+One step reads top to bottom: rollouts (whole prompt groups; critic values and rewards requested per generation
+batch, overlapping the actor's own log-prob passes) -> KL to the reference -> reward scaling and shaping ->
+advantages from the configured estimator -> critic training sent without waiting -> clipped policy update ->
+KL controller -> metrics and checkpoints. Every algorithmic choice was made once, in __init__."""
 
 from __future__ import annotations
 
@@ -10,57 +11,43 @@ import logging
 import shutil
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from algorithms import (
-    compute_gae,
+    adaptive_kl_coef,
+    aggregate_loss,
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
-    masked_sum,
     masked_var,
-    masked_whiten,
     policy_loss,
-    token_level_rewards,
+    truncated_importance_weights,
 )
 from embedded import resolve_model
 from serving.modeling import (
     TORCH_DTYPES,
     attention_mask_from_lengths,
     max_length_of,
-    pad_and_stack,
     resolve_device,
     vocab_sha256,
 )
 from serving.rest import add_ops_routes, start_ops_thread
 
-from .clients import CriticClient, RewardClient, check_compatible
+from .advantages import AdvantageInputs, RewardPipeline, build_advantages
+from .clients import CriticClient, IncompatibleServer, OpenRLHFRewardClient, RewardClient, check_compatible
 from .config import ActorConfig
-from .data import PromptSampler, load_prompts, resolve_data_file
-from .generation import Rollout, SamplingParams, TorchGenerationBackend, concat_rollouts
+from .data import PromptSampler, load_prompts, require_labels, resolve_data_file
+from .generation import SamplingParams, TorchGenerationBackend
+from .rollouts import RolloutBatch, RolloutCollector, ScoreFn, text_scorer, token_scorer
 from .tracking import MetricsTracker, Timers
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RolloutBatch:
-    """One step's experience. Per-action tensors are float32 [B, S-1] (action t produced token t+1)."""
-
-    rollout: Rollout
-    mask: torch.Tensor
-    logprobs: torch.Tensor  # policy at rollout time
-    ref_logprobs: torch.Tensor  # frozen reference policy
-    values: torch.Tensor  # critic value of the prefix before each action
-    scores: torch.Tensor  # [B] sequence reward, before KL
-    components: dict[str, torch.Tensor]  # named reward components, [B] each
 
 
 class PPOTrainer:
@@ -77,133 +64,154 @@ class PPOTrainer:
             add_ops_routes(app, self.registry, lambda: self.ready)
             self.ops = start_ops_thread(app, cfg.host, cfg.http_port)
 
-        torch.manual_seed(cfg.seed)
-        self.device = resolve_device(cfg.device)
-        dtype = TORCH_DTYPES[cfg.dtype]
-        policy_path = resolve_model(cfg.policy)
+        p, pol, gen = cfg.ppo, cfg.policy, cfg.policy.generation
+        torch.manual_seed(p.seed)
+        self.device = resolve_device(pol.device)
+        dtype = TORCH_DTYPES[pol.precision]
+        policy_path = resolve_model(pol.model_name)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(self.device)
-        self.reference = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.reference or cfg.policy), dtype=dtype)
-        self.reference.to(self.device).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.ppo.lr, weight_decay=cfg.ppo.weight_decay)
-        self.backend = TorchGenerationBackend(self.policy, self.pad_id, self.device)
-        g = cfg.generation
-        self.sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p,
-                                       (self.tokenizer.eos_token_id, *g.stop_token_ids))
-        self.greedy = SamplingParams(g.max_new_tokens, 0.0, 0, 1.0, self.sampling.stop_token_ids)
+        self.reference = None
+        if not p.skip_reference_policy_logprobs_calculation:
+            self.reference = AutoModelForCausalLM.from_pretrained(resolve_model(pol.reference_model_name or pol.model_name), dtype=dtype)
+            self.reference.to(self.device).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), **pol.optimizer.kwargs.model_dump())
+        stops = (self.tokenizer.eos_token_id, *(gen.stop_token_ids or []))
+        self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops)
+        self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops)
 
         d = cfg.data
-        self.train_prompts = load_prompts(resolve_data_file(d.train_file), d.prompt_key, self.tokenizer, d.max_prompt_length)
-        self.val_prompts = (load_prompts(resolve_data_file(d.val_file), d.prompt_key, self.tokenizer, d.max_prompt_length)
-                            if cfg.val_check_interval else [])
-        self.sampler = PromptSampler(self.train_prompts, cfg.seed, d.shuffle)
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.train_prompts = load_prompts(resolve_data_file(d.train_file), d.prompt_key, self.tokenizer,
+                                          d.max_input_seq_length, d.label_key)
+        validates = p.val_period > 0 or p.val_at_start or p.val_at_end
+        self.val_prompts = (load_prompts(resolve_data_file(d.val_file), d.prompt_key, self.tokenizer,
+                                         d.max_input_seq_length, d.label_key)[: p.max_val_samples] if validates else [])
+        self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
+        self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 
-        self.critic = CriticClient(cfg.critic)
-        self.reward = RewardClient(cfg.reward) if cfg.reward.source == "server" else None
-        self._check_servers()
-        self.tracker = MetricsTracker(self.run_dir, cfg.max_steps, self.registry)
+        self.critic = None
+        if cfg.needs_critic:
+            self.critic = CriticClient(cfg.critic)
+        else:
+            log.info("ppo.adv_estimator.name=%s needs no critic values: no critic server is used", p.adv_estimator.name)
+        self.reward: RewardClient | OpenRLHFRewardClient | None = None
+        score = self._connect()
+        self.collector = RolloutCollector(
+            policy=self.policy, reference=self.reference, backend=TorchGenerationBackend(self.policy, self.pad_id, self.device),
+            critic=self.critic, score=score, pad_id=self.pad_id, device=self.device,
+            generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers)
 
-    def _check_servers(self) -> None:
-        longest = max(len(p) for p in self.train_prompts + self.val_prompts)
-        needed = longest + self.cfg.generation.max_new_tokens
-        why = f"the longest prompt ({longest} tokens) + generation.max_new_tokens ({self.cfg.generation.max_new_tokens})"
+        self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
+        self.shape_rewards = RewardPipeline(cfg)
+        self.kl_coef = p.kl_controller.init_kl_coef  # beta of the KL in the reward, moved by an adaptive controller
+        self.tracker = MetricsTracker(self.run_dir, p.max_num_steps, self.registry, cfg.logger.tensorboard_enabled)
+
+    def _connect(self) -> ScoreFn | None:
+        """Check every server this run uses and build the reward request: token ids to a server that shares the
+        policy's tokenizer, decoded texts otherwise (reward.input), or None when the critic serves rewards."""
+        cfg = self.cfg
+        longest = max(len(p.ids) for p in self.train_prompts + self.val_prompts)
+        needed = longest + cfg.policy.generation.max_new_tokens
+        why = f"the longest prompt ({longest} tokens) + policy.generation.max_new_tokens ({cfg.policy.generation.max_new_tokens})"
         if max_length_of(self.policy) < needed:
             raise SystemExit(f"the policy accepts at most {max_length_of(self.policy)} tokens, but {why} need {needed}")
         sha, vocab = vocab_sha256(self.tokenizer), len(self.tokenizer)
-        critic_info = self.critic.info()
-        check_compatible("critic", critic_info, sha, vocab, needed, why)
-        if self.reward is not None:
-            check_compatible("reward", self.reward.info(), sha, vocab, needed, why)
-        elif not critic_info.serves_rewards:
-            raise SystemExit("reward.source=critic needs a combined RM + critic server (critic_server --reward-model ...)")
+        critic_info = self.critic.info() if self.critic is not None else None
+        if critic_info is not None:
+            check_compatible("critic", critic_info, sha, vocab, needed, why)
+        labelled = all(p.label is not None for p in self.train_prompts)
+        if cfg.reward.source == "critic":
+            if not critic_info.serves_rewards:
+                raise SystemExit("reward.source=critic needs a combined RM + critic server (critic_server --reward-model ...)")
+            self._require_components(())
+            return None
+        if cfg.reward.source == "openrlhf":
+            self.reward = OpenRLHFRewardClient(cfg.reward)
+            log.info("rewards from %s (OpenRLHF protocol), texts%s", cfg.reward.url, " and labels" if labelled else "")
+            return text_scorer(self.reward, self.tokenizer)
+        self.reward = RewardClient(cfg.reward)
+        info = self.reward.info()
+        if info.needs_labels:
+            why_labels = f"the reward server's scorer ({info.model}) compares every response with its prompt's label"
+            require_labels(self.train_prompts, cfg.data.label_key, why_labels)
+            require_labels(self.val_prompts, cfg.data.label_key, why_labels)
+        self._require_components(tuple(info.components))
+        same_vocab = info.vocab_sha256 == sha
+        if cfg.reward.input == "text" or (cfg.reward.input == "auto" and not same_vocab):
+            log.info("reward server %s (%s) gets decoded texts%s", cfg.reward.address, info.model,
+                     "" if same_vocab else ": its tokenizer differs from the policy's")
+            return text_scorer(self.reward, self.tokenizer)
+        check_compatible("rule" if info.kind == "rule" else "reward", info, sha, vocab, needed, why)
+        return token_scorer(self.reward)
 
-    # --- rollouts -------------------------------------------------------------------------------
-    def logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Log-prob of each next token, float32 [B, S-1], in micro-batches, without gradients."""
-        out = []
-        mbs = self.cfg.ppo.micro_batch_size
-        with torch.no_grad():
-            for i in range(0, tokens.shape[0], mbs):
-                tok, n = tokens[i:i + mbs].to(self.device), lengths[i:i + mbs].to(self.device)
-                logits = model(input_ids=tok, attention_mask=attention_mask_from_lengths(n, tok.shape[1])).logits
-                out.append(logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:]).cpu())
-        return torch.cat(out)
-
-    def generate_rollouts(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
-        """Generate per micro-batch; after each, send the critic and reward requests and compute the
-        policy and reference log-probs while the servers work."""
-        t = self.timers
-        parts = []
-        mbs = self.cfg.ppo.rollout_micro_batch_size
-        for i in range(0, len(prompts), mbs):
-            with t("generate"):
-                r = self.backend.generate(prompts[i:i + mbs], params, seed=seed * 100_003 + i)
-            values = self.critic.infer(r.tokens, r.lengths)
-            scores = self.reward.score(r.tokens, r.lengths, r.prompt_lengths) if self.reward else None
-            with t("logprobs"):
-                lp = self.logprobs(self.policy, r.tokens, r.lengths)
-            with t("init_logprobs"):
-                ref = self.logprobs(self.reference, r.tokens, r.lengths)
-            parts.append((r, values, scores, lp, ref))
-        with t("critic_wait"):
-            remote = [(v.result(), s.result() if s else None) for _, v, s, _, _ in parts]
-        rollout = concat_rollouts([p[0] for p in parts], self.pad_id)
-        values = pad_and_stack([v for (v, _), _ in remote])
-        if self.reward is not None:
-            scores = torch.cat([s[0] for _, s in remote])
-            names = remote[0][1][1].keys()
-            components = {k: torch.cat([s[1][k] for _, s in remote]) for k in names}
-        else:
-            scores, components = torch.cat([rw for (_, rw), _ in remote]), {}
-        return RolloutBatch(
-            rollout=rollout,
-            mask=rollout.action_mask(),
-            logprobs=pad_and_stack([p[3] for p in parts]),
-            ref_logprobs=pad_and_stack([p[4] for p in parts]),
-            values=values[:, :-1],
-            scores=scores.float(),
-            components=components,
-        )
+    def _require_components(self, available: tuple[str, ...]) -> None:
+        est = self.cfg.ppo.adv_estimator
+        if est.name != "gdpo":
+            return
+        names = est.reward_components or list(available)
+        missing = [n for n in names if n not in available]
+        if missing or len(names) < 2:
+            raise IncompatibleServer(
+                f"ppo.adv_estimator.name=gdpo needs at least two reward components; the reward source reports "
+                f"{list(available)}, ppo.adv_estimator.reward_components asks for {names}: start the reward server "
+                "with components=[...], e.g. components=[positive_fraction,no_negative]")
 
     # --- the policy update ----------------------------------------------------------------------
-    def train_policy(self, batch: RolloutBatch, advantages: torch.Tensor) -> dict[str, float]:
-        """ppo_epochs passes; one optimizer step per global batch, micro-batched; token-level loss (the
-        micro-batch losses add up to the global batch's loss)."""
-        p = self.cfg.ppo
-        tokens, lengths, mask = batch.rollout.tokens, batch.rollout.lengths, batch.mask
-        weighted: dict[str, float] = dict.fromkeys(("ppo_ratio", "ppo_ratio_clamped", "approx_kl", "entropy"), 0.0)
+    def _group_order(self, group_ids: torch.Tensor) -> torch.Tensor:
+        """A permutation of the rows that shuffles whole groups and keeps each group's rows together."""
+        groups = torch.unique_consecutive(group_ids)
+        order = groups[torch.randperm(len(groups), generator=self.shuffle_gen)]
+        return torch.cat([(group_ids == g).nonzero().squeeze(1) for g in order])
+
+    def train_policy(self, batch: RolloutBatch, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                     is_weights: torch.Tensor | None) -> dict[str, float]:
+        """ppo_epochs passes; one optimizer step per train_global_batch_size samples, micro-batched; the loss is
+        normalised by the global batch's token (or sequence) count so micro-batches add up to it exactly."""
+        pol, lf = self.cfg.policy, self.cfg.loss_fn
+        aggregation = "token" if lf.token_level_loss else "sequence"
+        tokens, lengths = batch.rollout.tokens, batch.rollout.lengths
+        sums = dict.fromkeys(("ppo_ratio", "ppo_ratio_clamped", "dual_clipfrac", "approx_kl", "entropy", "kl_penalty"), 0.0)
         n_tokens_seen, ratio_min, ratio_max = 0.0, float("inf"), float("-inf")
         loss_sum, grad_norm_sum, n_steps = 0.0, 0.0, 0
-        max_norm = p.grad_clip if p.grad_clip > 0 else float("inf")
+        max_norm = pol.max_grad_norm if pol.max_grad_norm > 0 else float("inf")
         # The policy stays in eval mode: no dropout, so the first epoch's ratio is exactly 1 (NeMo-Aligner too).
-        for _ in range(p.ppo_epochs):
-            perm = torch.randperm(tokens.shape[0], generator=self.shuffle_gen)
-            for g in range(0, len(perm), p.global_batch_size):
-                idx = perm[g:g + p.global_batch_size]
-                n_tokens = float(mask[idx].sum().clamp(min=1))
+        for _ in range(self.cfg.ppo.ppo_epochs):
+            order = self._group_order(batch.group_ids)
+            for g in range(0, len(order), pol.train_global_batch_size):
+                idx = order[g:g + pol.train_global_batch_size]
+                n_tokens = float(loss_mask[idx].sum().clamp(min=1))
+                n_seqs = float((loss_mask[idx].sum(1) > 0).sum().clamp(min=1))
                 self.optimizer.zero_grad(set_to_none=True)
-                for m in range(0, len(idx), p.micro_batch_size):
-                    mi = idx[m:m + p.micro_batch_size]
+                for m in range(0, len(idx), pol.train_micro_batch_size):
+                    mi = idx[m:m + pol.train_micro_batch_size]
                     w = int(lengths[mi].max())  # trim the micro-batch to its longest row
+
+                    def rows(x: torch.Tensor | None, mi: torch.Tensor = mi, w: int = w) -> torch.Tensor | None:
+                        return None if x is None else x[mi, :w - 1].to(self.device)
+
                     tok, n = tokens[mi, :w].to(self.device), lengths[mi].to(self.device)
-                    mk = mask[mi, :w - 1].to(self.device)
+                    mk = rows(loss_mask)
                     logits = self.policy(input_ids=tok, attention_mask=attention_mask_from_lengths(n, w)).logits[:, :-1].float()
                     lp = logprobs_from_logits(logits, tok[:, 1:])
-                    pg_loss, stats = policy_loss(lp, batch.logprobs[mi, :w - 1].to(self.device),
-                                                 advantages[mi, :w - 1].to(self.device), mk,
-                                                 clip_low=p.ratio_eps, clip_high=p.ratio_eps, num_tokens=n_tokens)
-                    entropy_sum = masked_sum(entropy_from_logits(logits), mk)
-                    loss = pg_loss - p.entropy_bonus * entropy_sum / n_tokens
+                    pg_loss, stats = policy_loss(
+                        lp, rows(batch.logprobs), rows(advantages), mk, clip_low=lf.ratio_clip_min,
+                        clip_high=lf.ratio_clip_max, num_tokens=n_tokens, clip_c=lf.ratio_clip_c, aggregation=aggregation,
+                        num_sequences=n_seqs, ref_logprobs=rows(batch.ref_logprobs),
+                        kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
+                        importance_weights=rows(is_weights))
+                    entropy = entropy_from_logits(logits)
+                    loss = pg_loss - lf.entropy_bonus * aggregate_loss(entropy, mk, aggregation, n_tokens, n_seqs)
                     loss.backward()
                     loss_sum += float(loss.detach())
                     k = float(mk.sum())
                     if k > 0:
                         n_tokens_seen += k
-                        for name, key in (("ppo_ratio", "ratio_mean"), ("ppo_ratio_clamped", "clipfrac"), ("approx_kl", "approx_kl")):
-                            weighted[name] += float(stats[key]) * k
-                        weighted["entropy"] += float(entropy_sum.detach())
+                        for name, key in (("ppo_ratio", "ratio_mean"), ("ppo_ratio_clamped", "clipfrac"),
+                                          ("dual_clipfrac", "dual_clipfrac"), ("approx_kl", "approx_kl"),
+                                          ("kl_penalty", "kl_penalty")):
+                            sums[name] += float(stats.get(key, 0.0)) * k
+                        sums["entropy"] += float(masked_mean(entropy.detach(), mk)) * k
                         ratio_min = min(ratio_min, float(stats["ratio_min"]))
                         ratio_max = max(ratio_max, float(stats["ratio_max"]))
                 grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
@@ -211,55 +219,97 @@ class PPOTrainer:
                 n_steps += 1
         return {
             "train_optim/loss": loss_sum / n_steps,
-            **{f"train_optim/{k}": v / max(n_tokens_seen, 1.0) for k, v in weighted.items()},
-            "train_optim/ppo_ratio_min": ratio_min,
-            "train_optim/ppo_ratio_max": ratio_max,
+            **{f"train_optim/{k}": v / max(n_tokens_seen, 1.0) for k, v in sums.items()},
+            "train_optim/ppo_ratio_min": ratio_min if n_tokens_seen else 0.0,
+            "train_optim/ppo_ratio_max": ratio_max if n_tokens_seen else 0.0,
             "train_optim/grad_norm": grad_norm_sum / n_steps,
             "train_optim/lr": self.optimizer.param_groups[0]["lr"],
         }
 
     # --- one step -------------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict[str, float], RolloutBatch]:
-        p, t = self.cfg.ppo, self.timers
+        cfg, t = self.cfg, self.timers
+        p, lf, kc = cfg.ppo, cfg.loss_fn, cfg.ppo.kl_controller
         with t("rollout_time"):
-            batch = self.generate_rollouts(self.sampler.take(p.num_rollout_samples), self.sampling, seed=self.cfg.seed + step)
-        mask = batch.mask
-        kl = kl_penalty(batch.logprobs, batch.ref_logprobs, p.kl_estimator, absolute=p.use_absolute_kl) * mask
-        rewards = token_level_rewards(batch.scores, kl, mask, p.kl_coef)
-        advantages, returns = compute_gae(rewards, batch.values * mask, mask, p.gamma, p.lam)
-        if p.normalize_advantages:
-            advantages = masked_whiten(advantages, mask)
+            batch, gen_batches = self.collector.collect(
+                self.sampler, self.sampling, seed=p.seed + step, num_prompts=p.num_prompts_per_step,
+                generations=p.num_generations_per_prompt, dynamic_sampling=p.use_dynamic_sampling,
+                max_gen_batches=p.dynamic_sampling_max_gen_batches, batch_multiplier=p.batch_multiplier)
+        r, mask = batch.rollout, batch.mask
 
-        critic_train = self.critic.train(batch.rollout.tokens, returns, batch.values * mask, mask)  # not awaited
-        with t("train_time"):
-            metrics = self.train_policy(batch, advantages)
+        kl = torch.zeros_like(mask)
+        if batch.ref_logprobs is not None:
+            kl = kl_penalty(batch.logprobs, batch.ref_logprobs, kc.kl_type, absolute=kc.use_absolute_kl) * mask
+        rewards = self.shape_rewards(batch.rewards, r.response_lengths, r.ended)
+        components = {k: self.shape_rewards(v, r.response_lengths, r.ended) for k, v in batch.components.items()}
+        values = None if batch.values is None else batch.values * mask
+        advantages, returns = self.estimator(AdvantageInputs(
+            rewards=rewards, components=components, group_ids=batch.group_ids, mask=mask, values=values,
+            kl_penalty=self.kl_coef * kl))
+        raw_advantages = advantages
+        advantages = self.finish_advantages(advantages, mask)
+
+        # samples cut off by max_new_tokens get no policy gradient, yet counted in baselines and critic targets
+        loss_mask = mask * r.ended[:, None].float() if p.overlong_filtering else mask
+        is_weights, is_metrics = None, {}
+        if lf.use_importance_sampling_correction:
+            is_weights, loss_mask, is_metrics = truncated_importance_weights(
+                batch.logprobs, r.logprobs, loss_mask, lf.truncated_importance_sampling_type or "tis",
+                lf.truncated_importance_sampling_ratio_min if lf.truncated_importance_sampling_type else 0.0,
+                lf.truncated_importance_sampling_ratio if lf.truncated_importance_sampling_type else float("inf"))
+
+        critic_train = None
+        if returns is not None and self.critic is not None:  # not awaited: the critic trains while the policy does
+            vl = cfg.value_loss_fn
+            critic_train = self.critic.train(r.tokens, r.lengths, returns, values, mask, vl.cliprange or 0.0, vl.scale)
+        metrics: dict[str, float] = {}
+        if step >= p.policy_training_start_step:
+            with t("train_time"):
+                metrics = self.train_policy(batch, advantages, loss_mask, is_weights)
         with t("critic_train_wait"):
-            critic = critic_train.result()
+            critic = critic_train.result() if critic_train is not None else None
 
-        r = batch.rollout
+        kl_per_sample = float(kl.sum(1).mean())
         metrics.update({
-            "train_rollouts/rollout_size": float(r.tokens.shape[0]),
-            "train_rollouts/rewards": float(batch.scores.mean()),
-            "train_rollouts/init_policy_kl": float(kl.sum(1).mean()),
-            "train_rollouts/rewards_with_kl": float(rewards.sum(1).mean()),
+            "train_rollouts/kl_coef": self.kl_coef,
+            "train_rollouts/rollout_size": float(batch.size),
+            "train_rollouts/num_groups": float(len(torch.unique(batch.group_ids))),
+            "train_rollouts/dynamic_sampling_gen_batches": float(gen_batches),
+            "train_rollouts/rewards": float(batch.rewards.mean()),
+            "train_rollouts/shaped_rewards": float(rewards.mean()),
+            "train_rollouts/init_policy_kl": kl_per_sample,
+            "train_rollouts/rewards_with_kl": float((rewards - self.kl_coef * kl.sum(1)).mean()),
             "train_rollouts/response_lengths": float(r.response_lengths.float().mean()),
             "train_rollouts/prompt_lengths": float(r.prompt_lengths.float().mean()),
             "train_rollouts/fraction_of_samples_properly_ended": float(r.ended.float().mean()),
+            "train_rollouts/loss_tokens_fraction": float(loss_mask.sum() / mask.sum().clamp(min=1)),
             **{f"train_rollouts/{k}": float(v.mean()) for k, v in batch.components.items()},
-            "critic/loss": critic.loss,
-            "critic/train_step": float(critic.train_step),
-            **{f"critic/{k}": v for k, v in critic.metrics.items()},
+            **{f"train_optim/{k}": float(v) for k, v in is_metrics.items()},
         })
-        for name, x in (("advantages", advantages), ("returns", returns), ("values", batch.values)):
-            metrics[f"train_rollouts/{name}_mean"] = float(masked_mean(x, mask))
-            metrics[f"train_rollouts/{name}_std"] = float(masked_var(x, mask).sqrt())
+        if critic is not None:
+            metrics.update({"critic/loss": critic.loss, "critic/train_step": float(critic.train_step),
+                            **{f"critic/{k}": v for k, v in critic.metrics.items()}})
+        # advantages as the estimator gave them, before whitening (NeMo-Aligner logs these too)
+        stats = {"advantages": raw_advantages, "returns": returns, "values": values}
+        for name, x in stats.items():
+            if x is not None:
+                metrics[f"train_rollouts/{name}_mean"] = float(masked_mean(x, mask))
+                metrics[f"train_rollouts/{name}_std"] = float(masked_var(x, mask).sqrt())
+        if kc.type == "adaptive" and self.kl_coef > 0:
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl_per_sample, kc.target, kc.horizon, batch.size)
         return metrics, batch
 
     def validate(self) -> dict[str, float]:
+        """Generation on the first ppo.max_val_samples validation prompts (greedy unless val_temperature > 0).
+        Rewards are as the reward source gives them (no scaling or shaping), averaged over samples; lengths are
+        response tokens averaged over samples."""
         with self.timers("validation_time"):
-            batch = self.generate_rollouts(self.val_prompts[: self.cfg.num_val_samples], self.greedy, seed=0)
-        return {"val/rewards": float(batch.scores.mean()),
-                "val/response_lengths": float(batch.rollout.response_lengths.float().mean()),
+            batch = self.collector.generate(self.val_prompts, self.val_sampling, seed=0,
+                                            batch_size=self.cfg.ppo.val_batch_size, train=False)
+        r = batch.rollout
+        return {"val/rewards": float(batch.rewards.mean()),
+                "val/response_lengths": float(r.response_lengths.float().mean()),
+                "val/fraction_of_samples_properly_ended": float(r.ended.float().mean()),
                 **{f"val/{k}": float(v.mean()) for k, v in batch.components.items()}}
 
     def samples_table(self, batch: RolloutBatch, n: int) -> str:
@@ -268,7 +318,7 @@ class PPOTrainer:
         for i in range(min(n, r.tokens.shape[0])):
             prompt = self.tokenizer.decode(r.tokens[i, : r.prompt_lengths[i]], skip_special_tokens=True)
             response = self.tokenizer.decode(r.tokens[i, r.prompt_lengths[i]: r.lengths[i]], skip_special_tokens=True)
-            lines.append(f"  reward {float(batch.scores[i]):+.3f} | {prompt} | {response}")
+            lines.append(f"  reward {float(batch.rewards[i]):+.3f} | {prompt} | {response}")
         return "\n".join(lines)
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -280,9 +330,9 @@ class PPOTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         self.policy.save_pretrained(tmp / "actor")
         self.tokenizer.save_pretrained(tmp / "actor")
-        critic_path = self.critic.save(f"step_{step}")
+        critic_path = self.critic.save(f"step_{step}") if self.critic is not None else None
         meta = {"step": step, "actor": str((final / "actor").resolve()), "critic": critic_path,
-                "consumed_samples": self.sampler.consumed, "epoch": self.sampler.epoch}
+                "consumed_samples": self.sampler.consumed, "epoch": self.sampler.epoch, "kl_coef": self.kl_coef}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -290,30 +340,40 @@ class PPOTrainer:
         return final
 
     def fit(self) -> list[dict]:
-        cfg = self.cfg
+        cfg, p = self.cfg, self.cfg.ppo
         signal.signal(signal.SIGTERM, self._request_stop)
         self.ready = True
-        last_batch = None
-        for step in range(1, cfg.max_steps + 1):
+        n_print = cfg.logger.num_val_samples_to_print
+        if p.val_at_start:
+            self.tracker.log(0, {**self.validate(), **self.timers.pop()})
+        last_batch, step = None, 0
+        for step in range(1, p.max_num_steps + 1):
+            if self.sampler.finished_epochs >= p.max_num_epochs:
+                self.tracker.write(f"stopping before step {step}: ppo.max_num_epochs={p.max_num_epochs} passes done")
+                step -= 1
+                break
             start = time.perf_counter()
             metrics, last_batch = self.step(step)
-            if step == 1 and cfg.log_samples:
-                self.tracker.write("samples before training (step 1):\n" + self.samples_table(last_batch, cfg.log_samples))
-            if cfg.val_check_interval and (step % cfg.val_check_interval == 0 or step == 1 or step == cfg.max_steps):
+            if step == 1 and n_print:
+                self.tracker.write("samples before training (step 1):\n" + self.samples_table(last_batch, n_print))
+            last = step == p.max_num_steps or self.stop_requested
+            if (p.val_period and step % p.val_period == 0) or (last and p.val_at_end):
                 metrics.update(self.validate())
             metrics.update(self.timers.pop())
             metrics["timers/step_time"] = time.perf_counter() - start
             metrics["consumed_samples"] = float(self.sampler.consumed)
             self.tracker.log(step, metrics)
-            last = step == cfg.max_steps or self.stop_requested
-            if last or (cfg.save_interval and step % cfg.save_interval == 0):
+            ck = cfg.checkpointing
+            if ck.enabled and (last or (ck.save_period and step % ck.save_period == 0)):
                 path = self.save_checkpoint(step)
                 self.tracker.write(f"step {step}: checkpoint {path}")
             if self.stop_requested:
                 self.tracker.write(f"stopping after step {step} (SIGTERM)")
                 break
-        if cfg.log_samples and last_batch is not None:
-            self.tracker.write("samples after training:\n" + self.samples_table(last_batch, cfg.log_samples))
+        if cfg.checkpointing.enabled and step and not (self.run_dir / "checkpoints" / f"step_{step}").exists():
+            self.save_checkpoint(step)  # stopped early by max_num_epochs
+        if n_print and last_batch is not None:
+            self.tracker.write("samples after training:\n" + self.samples_table(last_batch, n_print))
         curve = self.tracker.plot_reward_curve()
         self.tracker.write(f"reward curve: {curve}")
         return self.tracker.history
@@ -324,7 +384,8 @@ class PPOTrainer:
     def close(self) -> None:
         self.ready = False
         self.tracker.close()
-        self.critic.close()
+        if self.critic is not None:
+            self.critic.close()
         if self.reward is not None:
             self.reward.close()
         if self.ops is not None:

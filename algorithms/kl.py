@@ -1,4 +1,4 @@
-"""Per-token estimators of KL(policy || reference)."""
+"""Per-token estimators of KL(policy || reference), and the adaptive KL coefficient."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from torch import Tensor
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
-# bounds from the reference formulas: log-ratio before the estimator, estimate after it
-_LOG_RATIO_CLAMP = 20.0
-_KL_CLAMP = 10.0
+# the adaptive controller moves beta by at most +-20% of n_steps / horizon per update
+_ADAPTIVE_KL_ERROR_CLIP = 0.2
 
 
 def kl_penalty(
@@ -19,19 +18,24 @@ def kl_penalty(
     ref_logprobs: Tensor,
     estimator: KLEstimator = "k1",
     absolute: bool = False,
+    *,
+    log_ratio_clamp: float = 20.0,
+    output_clamp: float = 10.0,
 ) -> Tensor:
     """Per-token KL estimate between the current policy and the reference policy.
 
-    With ``logr = clamp(ref_logprobs - logprobs, -20, 20)``:
+    With ``logr = clamp(ref_logprobs - logprobs, -log_ratio_clamp, log_ratio_clamp)``:
     ``k1 = -logr`` (unbiased, can be negative), ``k2 = logr^2 / 2``, ``k3 = exp(logr) - 1 - logr``
     (unbiased and non-negative). ``absolute`` takes ``|k|`` (use_absolute_kl). The result is clamped to
-    [-10, 10]. Positions outside the response are not masked here; the caller masks.
+    ``[-output_clamp, output_clamp]``. Positions outside the response are not masked here; the caller masks.
 
     Args:
         logprobs: float [B, T], log-probs of the taken tokens under the current policy.
         ref_logprobs: float [B, T], the same under the reference policy.
         estimator: one of ``"k1"``, ``"k2"``, ``"k3"``.
         absolute: return the absolute value of the estimate.
+        log_ratio_clamp: bound on ``|logr|`` before the estimator (default 20).
+        output_clamp: bound on the estimate's magnitude (default 10).
 
     Returns:
         Float [B, T] of the promoted input dtype.
@@ -43,7 +47,7 @@ def kl_penalty(
     if estimator not in allowed:
         raise ValueError(f"unknown KL estimator {estimator!r}; allowed values: {', '.join(allowed)}")
     # clamp first so exp() in k3 cannot overflow and -inf log-probs give finite values
-    log_ratio = torch.clamp(ref_logprobs - logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = torch.clamp(ref_logprobs - logprobs, -log_ratio_clamp, log_ratio_clamp)
     if estimator == "k1":
         kl = -log_ratio
     elif estimator == "k2":
@@ -52,4 +56,29 @@ def kl_penalty(
         kl = torch.expm1(log_ratio) - log_ratio  # expm1: accurate when the ratio is close to 1
     if absolute:
         kl = kl.abs()
-    return torch.clamp(kl, -_KL_CLAMP, _KL_CLAMP)
+    return torch.clamp(kl, -output_clamp, output_clamp)
+
+
+def adaptive_kl_coef(coef: float, observed_kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """One update of the adaptive KL controller (trlx / OpenRLHF ``AdaptiveKLController``).
+
+    ``err = clip(observed_kl / target - 1, -0.2, 0.2)``; returns ``coef * (1 + err * n_steps / horizon)``:
+    beta grows when the KL is above target and shrinks when it is below.
+
+    Args:
+        coef: current KL coefficient beta.
+        observed_kl: KL measured since the last update, in the same units as ``target``.
+        target: KL target (> 0).
+        horizon: controller horizon (> 0); larger means slower adaptation.
+        n_steps: number of samples (or steps) since the last update.
+
+    Returns:
+        The new coefficient.
+
+    Raises:
+        ValueError: if ``target`` or ``horizon`` is not positive.
+    """
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target=}, {horizon=}")
+    error = min(max(observed_kl / target - 1.0, -_ADAPTIVE_KL_ERROR_CLIP), _ADAPTIVE_KL_ERROR_CLIP)
+    return coef * (1.0 + error * n_steps / horizon)

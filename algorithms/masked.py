@@ -47,6 +47,22 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
     return masked_sum(x, mask, dim) / masked_count(x, mask, dim).clamp(min=1)
 
 
+def masked_min_max(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Min and max of ``x`` over all valid entries.
+
+    Returns:
+        ``(min, max)``, two 0-dim ``x.dtype`` tensors; both 0 when there is no valid entry.
+    """
+    valid = _valid(x, mask)
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    # fill with +-inf rather than index, so there is no host sync on GPU
+    x_min = torch.where(valid, x, inf).amin()
+    x_max = torch.where(valid, x, -inf).amax()
+    any_valid = valid.any()
+    return torch.where(any_valid, x_min, zero), torch.where(any_valid, x_max, zero)
+
+
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False) -> Tensor:
     """Variance of ``x`` over all valid entries (a 0-dim ``x.dtype`` tensor).
 

@@ -10,6 +10,7 @@ import logging
 import math
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +38,19 @@ log = logging.getLogger(__name__)
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
+
+
+@dataclass
+class TrainInput:
+    """One validated Train request: the batch and the value-loss settings it is trained with."""
+
+    tokens: torch.Tensor  # int64 [B, S], right-padded
+    lengths: torch.Tensor  # int64 [B]; S for every row when the request sends none
+    returns: torch.Tensor  # float32 [B, S-1]
+    old_values: torch.Tensor  # float32 [B, S-1]
+    mask: torch.Tensor  # float32 [B, S-1], 0 or 1
+    value_clip: float
+    loss_scale: float
 
 
 class CriticCore:
@@ -114,7 +128,11 @@ class CriticCore:
         return out
 
     # --- training -------------------------------------------------------------------------------
-    def validate_train(self, tokens, returns, old_values, mask) -> tuple[torch.Tensor, ...]:
+    def validate_train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor,
+                       lengths: torch.Tensor | None = None, value_clip: float | None = None,
+                       loss_scale: float | None = None) -> TrainInput:
+        """Check a Train request; `lengths`, `value_clip` and `loss_scale` are None when the request leaves
+        them unset (all positions valid; the server's train.value_clip and train.loss_scale)."""
         check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
         b, s = tokens.shape
         if s < 2:
@@ -125,14 +143,30 @@ class CriticCore:
         mask = check_per_action(mask, "mask", shape, allow_bool=True)
         if not ((mask == 0) | (mask == 1)).all():
             raise InvalidArgument("mask: entries must be 0 or 1")
-        return tokens.long(), returns, old_values, mask
-
-    def train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor) -> tuple[float, dict[str, float], int]:
-        """One pass over the batch: one optimizer step per global batch, micro-batched. A step whose loss or
-        gradient is not finite is skipped, so no request can corrupt the weights. Dropout stays off (the
-        model stays in eval mode), as when the old values were computed. Returns (mean loss, metrics, the
-        train step reached); metrics are over the whole batch."""
+        if lengths is None:
+            lengths = torch.full((b,), s, dtype=torch.long)
+        else:
+            check_lengths(lengths, "lengths", b, s)
+            lengths = lengths.long()
+            # Entry t is the action that produced token t+1, which must lie before lengths[b].
+            past_end = (mask > 0) & (torch.arange(s - 1)[None, :] >= lengths[:, None] - 1)
+            if past_end.any():
+                row, t = (int(i) for i in past_end.nonzero()[0])
+                raise InvalidArgument(f"mask: entries at positions >= lengths[b] - 1 must be 0 (no action past the "
+                                      f"row's end), got mask[{row}, {t}] = 1 with lengths[{row}] = {int(lengths[row])}")
         tc = self.cfg.train
+        value_clip = tc.value_clip if value_clip is None else _check_setting(value_clip, "value_clip", allow_zero=True)
+        loss_scale = tc.loss_scale if loss_scale is None else _check_setting(loss_scale, "loss_scale", allow_zero=False)
+        return TrainInput(tokens.long(), lengths, returns, old_values, mask, value_clip, loss_scale)
+
+    def train(self, batch: TrainInput) -> tuple[float, dict[str, float], int]:
+        """One pass over the batch: one optimizer step per global batch, micro-batched, with the attention mask
+        Infer builds from the lengths. A step whose loss or gradient is not finite is skipped, so no request can
+        corrupt the weights. Dropout stays off (the model stays in eval mode), as when the old values were
+        computed. Returns (mean loss, metrics, the train step reached); metrics are over the whole batch."""
+        tc = self.cfg.train
+        tokens, lengths, returns, old_values, mask = (batch.tokens, batch.lengths, batch.returns, batch.old_values,
+                                                      batch.mask)
         losses: list[float] = []
         grad_norms: list[float] = []
         values_seen = torch.zeros_like(returns)
@@ -146,11 +180,10 @@ class CriticCore:
                 loss_total = 0.0
                 for m in range(g, g_end, tc.micro_batch_size):
                     ms = slice(m, min(m + tc.micro_batch_size, g_end))
-                    tok = tokens[ms].to(self.device)
-                    full = torch.full((tok.shape[0],), tok.shape[1], device=self.device)
-                    values = per_token_scores(self.model, tok, full)[:, :-1]
+                    tok, n = tokens[ms].to(self.device), lengths[ms].to(self.device)
+                    values = per_token_scores(self.model, tok, n)[:, :-1]
                     loss, stats = value_loss(values, old_values[ms].to(self.device), returns[ms].to(self.device),
-                                             mask[ms].to(self.device), clip=tc.value_clip, scale=tc.loss_scale,
+                                             mask[ms].to(self.device), clip=batch.value_clip, scale=batch.loss_scale,
                                              num_tokens=n_tokens)
                     loss.backward()
                     loss_total += float(loss.detach())
@@ -203,3 +236,10 @@ class CriticCore:
             shutil.rmtree(final)
         tmp.rename(final)
         return str(final.resolve()), self.train_step
+
+
+def _check_setting(value: float, field: str, allow_zero: bool) -> float:
+    """A per-request loss setting: finite, and >= 0 (allow_zero) or > 0."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise InvalidArgument(f"{field}: expected a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return float(value)

@@ -20,6 +20,14 @@ def required(msg, field: str):
     return decode(getattr(msg, field), field)
 
 
+def optional(msg, field: str):
+    """The field's value (a Tensor decoded), or None when the request leaves it unset."""
+    if not msg.HasField(field):
+        return None
+    value = getattr(msg, field)
+    return decode(value, field) if isinstance(value, common_pb2.Tensor) else value
+
+
 class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
     def __init__(self, service: CriticService):
         self.service = service
@@ -41,8 +49,13 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
     @rpc_method("Train")
     async def Train(self, request: critic_pb2.TrainRequest, context) -> critic_pb2.TrainResponse:
         worker = self.service.require_ready()
-        batch = self.core.validate_train(*(required(request, f) for f in ("tokens", "returns", "old_values", "mask")))
-        loss, metrics, step = await worker.run_exclusive("Train", lambda: self.core.train(*batch))
+        batch = self.core.validate_train(
+            *(required(request, f) for f in ("tokens", "returns", "old_values", "mask")),
+            lengths=optional(request, "lengths"),
+            value_clip=optional(request, "value_clip"),
+            loss_scale=optional(request, "loss_scale"),
+        )
+        loss, metrics, step = await worker.run_exclusive("Train", lambda: self.core.train(batch))
         self.train_steps.set(step)
         self.last_loss.set(loss)
         return critic_pb2.TrainResponse(loss=loss, metrics=metrics, train_step=step)

@@ -46,6 +46,7 @@ NEGATIVE_SHARE = 0.6
 SFT_P_POSITIVE = 0.25
 
 _POSITIVE = frozenset(POSITIVE_WORDS)
+_NEGATIVE = frozenset(NEGATIVE_WORDS)
 _SPECIAL = frozenset(SPECIAL_TOKENS)
 
 
@@ -86,7 +87,21 @@ def positive_fraction(response_text: str) -> float:
     counts in the denominator, so topic words, the separator and out-of-vocabulary words dilute the
     reward. A response with no words scores 0.0.
     """
-    words = [w for w in response_text.split() if w not in _SPECIAL]
+    words = response_words(response_text)
     if not words:
         return 0.0
     return sum(w in _POSITIVE for w in words) / len(words)
+
+
+def negative_fraction(response_text: str) -> float:
+    """(#negative words) / (#words), in [0, 1], with the word rules of :func:`positive_fraction`.
+    A response with no words scores 0.0."""
+    words = response_words(response_text)
+    if not words:
+        return 0.0
+    return sum(w in _NEGATIVE for w in words) / len(words)
+
+
+def response_words(response_text: str) -> list[str]:
+    """The words that count in a response: split on whitespace, special tokens left out."""
+    return [w for w in response_text.split() if w not in _SPECIAL]

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 
 from serving.server import ServerConfig
 
-from .scorers import SCORERS
+from .scorers import SCORERS, describe_scorers
 
 
 def _check_scorer(name: str) -> str:
@@ -30,16 +30,16 @@ class RewardConfig(ServerConfig):
     )
     scorer: str | None = Field(
         None,
-        description="Rule-based scorer instead of a learned model (no model is loaded): positive_fraction "
-        "(the embedded task's ground truth) or exact_match (response == label; requests must carry labels).",
+        description=f"Rule-based scorer instead of a learned model (no model is loaded): {describe_scorers()}.",
     )
     components: list[str] = Field(
         default_factory=list,
         description="Rule scorers computed alongside the reward and returned as components `reward/<name>`, "
-        "e.g. [positive_fraction] to watch a learned model track the ground truth. Rule scorers read the "
+        "e.g. [positive_fraction] to watch a learned model track the ground truth, or [positive_fraction, "
+        "no_negative] as GDPO's two reward components. Any scorer of `scorer` may be named. Rule scorers read the "
         "response only: tokens after prompt_lengths, or texts after their prompts (the whole text when no "
-        "prompts are sent). A component is left out of a response whose request lacks what it needs "
-        "(prompt_lengths with tokens; labels for exact_match).",
+        "prompts are sent or a text does not start with its prompt). A component is left out of a response "
+        "whose request lacks what it needs (prompt_lengths with tokens; labels for exact_match).",
     )
     tokenizer: str | None = Field(
         None,

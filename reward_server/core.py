@@ -96,6 +96,7 @@ class RewardCore:
             "max_length": self.max_length,
             "vocab_sha256": self.vocab_sha256,
             "components": [component_name(s) for s in self.component_scorers],
+            "needs_labels": self.cfg.scorer is not None and SCORERS[self.cfg.scorer].needs_labels,
         }
 
     # --- validation -----------------------------------------------------------------------------
@@ -163,10 +164,11 @@ class RewardCore:
         inp = ScoreInput(rows=b, responses=list(texts))
         if prompts:
             _check_count(prompts, "prompts", b)
-            for i, (text, prompt) in enumerate(zip(texts, prompts)):
-                if not text.startswith(prompt):
-                    raise InvalidArgument(f"{texts_field}[{i}]: does not start with prompts[{i}]")
-            inp.responses = [text[len(prompt):] for text, prompt in zip(texts, prompts)]
+            # OpenRLHF truncates long prompts, so a text need not start with its prompt; it is then scored whole.
+            whole = [i for i, (text, prompt) in enumerate(zip(texts, prompts)) if not text.startswith(prompt)]
+            if whole:
+                log.debug("%s%s do not start with their prompts; scored whole", texts_field, whole)
+            inp.responses = [text.removeprefix(prompt) for text, prompt in zip(texts, prompts)]
         if self.model is not None:
             inp.tokens, inp.lengths = self._tokenize(texts, texts_field)
         return inp

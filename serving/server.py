@@ -22,8 +22,8 @@ import grpc
 import transformers
 import uvicorn
 from fastapi import FastAPI
-from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
@@ -141,9 +141,12 @@ class Service:
 
         @self.app.exception_handler(RequestValidationError)
         async def count_rejected_body(request, exc):
-            """A REST body FastAPI rejects (422) counts as an INVALID_ARGUMENT request of its route."""
+            """A REST body FastAPI rejects (422) counts as an INVALID_ARGUMENT request of its route. The detail
+            names each bad field (`loc`) without echoing its input, which may be what JSON cannot carry back
+            (NaN, a lone surrogate) and would turn the 422 into a 500."""
             self.metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
-            return await request_validation_exception_handler(request, exc)
+            detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+            return JSONResponse({"detail": detail}, status_code=422)
 
     # --- to implement -------------------------------------------------------------------------
     def load(self) -> None:

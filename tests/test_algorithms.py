@@ -370,7 +370,8 @@ def test_explained_variance() -> None:
 def _random_batch(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     batch, length = 4, 5
-    # rows 0-1 hold 4 + 3 = 7 tokens, rows 2-3 hold 1 + 2 = 3: a per-micro-batch mean would weight them wrongly
+    # rows 0-1 hold 4 + 3 = 7 tokens, rows 2-3 hold 1 + 2 = 3: a per-micro-batch mean would weight them
+    # wrongly
     mask = t([[1, 1, 1, 1, 0], [0, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
 
     def randn() -> torch.Tensor:
@@ -447,9 +448,11 @@ def test_logprobs_from_logits_matches_log_softmax_gather(dtype: torch.dtype, tol
     labels = torch.randint(0, 11, (3, 4), generator=gen)
     got = logprobs_from_logits(logits, labels)
     assert got.dtype == dtype
-    reference = torch.log_softmax(logits.detach().double(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    reference = torch.log_softmax(logits.detach().double(), dim=-1)
+    reference = reference.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     close(got.double(), reference, atol=tol, rtol=tol)
     got.sum().backward()  # the gradient of sum_t log p(label_t) is onehot - softmax
-    expected_grad = torch.nn.functional.one_hot(labels, 11).double() - torch.softmax(logits.detach().double(), -1)
+    expected_grad = torch.nn.functional.one_hot(labels, 11).double()
+    expected_grad = expected_grad - torch.softmax(logits.detach().double(), -1)
     assert logits.grad is not None
     close(logits.grad.double(), expected_grad, atol=tol, rtol=tol)

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from actor.clients import IncompatibleServer, check_compatible
 from actor.config import ActorConfig
-from actor.data import DataError, PromptSampler, load_prompts
+from actor.data import DataError, Prompt, PromptSampler, load_prompts, require_labels
 from critic_server.config import CriticConfig
 from ppo_services.v1 import critic_pb2, reward_pb2
 from serving.config import ConfigError, load_config
@@ -19,20 +19,23 @@ from tests.service_procs import ROOT
 
 def test_yaml_file_and_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("max_steps: 3\nppo:\n  gamma: 0.5\n")
-    cfg = load_config(ActorConfig, path, ["ppo.lam=0.9", "generation.stop_token_ids=[4, 5]", "reference=null"])
-    assert (cfg.max_steps, cfg.ppo.gamma, cfg.ppo.lam, cfg.generation.stop_token_ids, cfg.reference) == (3, 0.5, 0.9, [4, 5], None)
-    assert load_config(ActorConfig, ROOT / "configs" / "demo.yaml").ppo.num_rollout_samples == 64
+    path.write_text("ppo:\n  max_num_steps: 3\n  adv_estimator:\n    gae_gamma: 0.5\n")
+    cfg = load_config(ActorConfig, path, ["ppo.adv_estimator.gae_lambda=0.9", "policy.generation.stop_token_ids=[4, 5]",
+                                          "policy.reference_model_name=null"])
+    est = cfg.ppo.adv_estimator
+    assert (cfg.ppo.max_num_steps, est.gae_gamma, est.gae_lambda, cfg.policy.generation.stop_token_ids,
+            cfg.policy.reference_model_name) == (3, 0.5, 0.9, [4, 5], None)
+    assert load_config(ActorConfig, ROOT / "configs" / "ppo.yaml").rollout_samples == 64
 
 
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("ppo.gama=0.9", ["ppo.gama", "unknown key", "gamma", "lam"]),
-        ("ppo.gamma=2", ["ppo.gamma", "less than or equal to 1", "2"]),
-        ("ppo.kl_estimator=k9", ["ppo.kl_estimator", "'k1'", "'k3'"]),
-        ("generation.backend=vllm", ["generation.backend", "'torch'"]),
-        ("ppo.micro_batch_size=5", ["global_batch_size", "multiple", "micro_batch_size"]),
+        ("ppo.gama=0.9", ["ppo.gama", "unknown key", "num_prompts_per_step", "adv_estimator"]),
+        ("ppo.adv_estimator.gae_gamma=2", ["ppo.adv_estimator.gae_gamma", "less than or equal to 1", "2"]),
+        ("ppo.kl_controller.kl_type=k9", ["ppo.kl_controller.kl_type", "'k1'", "'k3'"]),
+        ("policy.generation.backend=vllm", ["policy.generation.backend", "'torch'"]),
+        ("policy.train_micro_batch_size=5", ["policy.train_global_batch_size", "multiple", "policy.train_micro_batch_size"]),
         ("nonsense", ["KEY=VALUE"]),
     ],
 )
@@ -69,7 +72,7 @@ def tokenizer(embedded_assets):
     [
         ('{"prompt": "river =>"}\n{"prompt": \n', [":2:", "not valid JSON"]),
         ('{"prompt": "river =>"}\n\n{"text": "x"}\n', [":3:", "'prompt'"]),
-        ('{"prompt": "' + " ".join(["river"] * 70) + '"}\n', [":1:", "70 tokens", "max_prompt_length=64"]),
+        ('{"prompt": "' + " ".join(["river"] * 70) + '"}\n', [":1:", "70 tokens", "data.max_input_seq_length=64"]),
         ("", ["no prompts"]),
     ],
     ids=["bad-json", "missing-key", "too-long", "empty"],
@@ -85,18 +88,73 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, wor
 
 
 def test_prompt_sampler_walks_shuffled_epochs():
-    sampler = PromptSampler([[i] for i in range(5)], seed=0)
-    first, second = sampler.take(5), sampler.take(5)
-    assert sorted(first) == sorted(second) == [[i] for i in range(5)]
-    assert sampler.epoch == 1 and sampler.consumed == 10
-    assert PromptSampler([[i] for i in range(5)], seed=0).take(5) == first
+    prompts = [Prompt([i]) for i in range(5)]
+    sampler = PromptSampler(prompts, seed=0)
+    first = sampler.take(5)
+    assert sampler.finished_epochs == 1
+    second = sampler.take(5)
+    assert sorted(p.ids for p in first) == sorted(p.ids for p in second) == [[i] for i in range(5)]
+    assert sampler.epoch == 1 and sampler.consumed == 10 and sampler.finished_epochs == 2
+    assert PromptSampler(prompts, seed=0).take(5) == first
+
+
+def test_labels_travel_with_prompts_and_missing_ones_name_the_line(tmp_path, tokenizer):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "river =>", "answer": 42}\n{"prompt": "castle =>", "answer": {"a": [1]}}\n'
+                    '{"prompt": "city =>"}\n')
+    prompts = load_prompts(path, "prompt", tokenizer, 64, label_key="answer")
+    assert [p.label for p in prompts] == [42, {"a": [1]}, None]
+    require_labels(prompts[:2], "answer", "the scorer needs them")
+    with pytest.raises(DataError) as err:
+        require_labels(prompts, "answer", "the scorer needs them")
+    assert f"{path}:3" in str(err.value) and "'answer'" in str(err.value) and "data.label_key" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, keys",
+    [
+        (["ppo.kl_controller.init_kl_coef=0.1", "loss_fn.reference_policy_kl_penalty=0.1"],
+         ["ppo.kl_controller.init_kl_coef", "loss_fn.reference_policy_kl_penalty"]),
+        (["ppo.skip_reference_policy_logprobs_calculation=true", "loss_fn.reference_policy_kl_penalty=0.1"],
+         ["ppo.skip_reference_policy_logprobs_calculation", "loss_fn.reference_policy_kl_penalty"]),
+        (["ppo.skip_reference_policy_logprobs_calculation=true", "ppo.kl_controller.init_kl_coef=0.1"],
+         ["ppo.skip_reference_policy_logprobs_calculation", "ppo.kl_controller.init_kl_coef"]),
+        (["ppo.adv_estimator.name=grpo", "ppo.num_generations_per_prompt=1"],
+         ["ppo.adv_estimator.name=grpo", "ppo.num_generations_per_prompt"]),
+        (["ppo.adv_estimator.name=reinforce_plus_plus"], ["reinforce_plus_plus", "ppo.num_generations_per_prompt"]),
+        (["ppo.use_dynamic_sampling=true"], ["ppo.use_dynamic_sampling", "ppo.adv_estimator.name=gae"]),
+        (["ppo.use_dynamic_sampling=true", "ppo.adv_estimator.name=reinforce_plus_plus",
+          "ppo.adv_estimator.minus_baseline=false", "ppo.num_generations_per_prompt=4"],
+         ["ppo.use_dynamic_sampling", "minus_baseline=false"]),
+        (["ppo.adv_estimator.name=grpo", "ppo.num_generations_per_prompt=4", "ppo.kl_controller.init_kl_coef=0.1"],
+         ["ppo.adv_estimator.name=grpo", "ppo.kl_controller.init_kl_coef"]),
+        (["reward.source=openrlhf"], ["reward.source=openrlhf", "reward.url"]),
+        (["loss_fn.truncated_importance_sampling_type=tis"],
+         ["loss_fn.truncated_importance_sampling_type", "loss_fn.use_importance_sampling_correction"]),
+    ],
+)
+def test_contradictory_settings_are_refused_naming_both_keys(overrides, keys):
+    with pytest.raises(ConfigError) as err:
+        load_config(ActorConfig, None, overrides)
+    for key in keys:
+        assert key in str(err.value), (key, str(err.value))
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo", "gdpo", "reinforce_pp", "dapo"])
+def test_every_example_config_loads(name):
+    cfg = load_config(ActorConfig, ROOT / "configs" / f"{name}.yaml")
+    assert cfg.needs_critic == (name == "ppo")
 
 
 def test_compatibility_checks_say_what_differs():
     ok = critic_pb2.CriticInfo(model="m", vocab_size=51, max_length=64, vocab_sha256="abc")
     check_compatible("critic", ok, "abc", 51, 64, "prompts + responses")
-    with pytest.raises(IncompatibleServer, match="different tokenizer vocabulary"):
+    with pytest.raises(IncompatibleServer, match="different tokenizer vocabulary.*critic must share the policy's tokenizer"):
         check_compatible("critic", ok, "abd", 51, 20, "prompts + responses")
+    with pytest.raises(IncompatibleServer, match="reward server.*reward.input=text"):
+        check_compatible("reward", ok, "abd", 51, 20, "prompts + responses")
+    with pytest.raises(IncompatibleServer, match="reward server.*`tokenizer` key"):
+        check_compatible("rule", ok, "abd", 51, 20, "prompts + responses")
     with pytest.raises(IncompatibleServer, match="accepts at most 64 tokens, but prompts \\+ responses need 80"):
         check_compatible("critic", ok, "abc", 51, 80, "prompts + responses")
     small = reward_pb2.RewardInfo(model="r", vocab_size=40, max_length=64)

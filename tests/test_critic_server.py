@@ -362,3 +362,92 @@ def test_shutdown_is_bounded_by_the_grace_period(embedded_cache, log_dir):
     assert "abandoning" in proc.log()
     assert any(not p.done() or p.exception() is not None for p in pending)
     ch.close()
+
+
+def _train_inputs(seed: int, b: int = 8, s: int = 10) -> dict[str, torch.Tensor]:
+    """A Train batch with lengths: garbage token ids after each row's end, and a mask that stays inside the rows."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, 20, (b, s), generator=g)
+    lengths = torch.randint(3, s + 1, (b,), generator=g)
+    lengths[0] = s
+    mask = ((torch.rand(b, s - 1, generator=g) > 0.3) & (torch.arange(s - 1)[None, :] < lengths[:, None] - 1)).float()
+    mask[:, 0] = 1.0
+    return {"tokens": tokens, "lengths": lengths, "mask": mask, "returns": torch.randn(b, s - 1, generator=g),
+            "old_values": torch.randn(b, s - 1, generator=g)}
+
+
+def _train_with(stub, inputs: dict[str, torch.Tensor], **settings) -> critic_pb2.TrainResponse:
+    request = critic_pb2.TrainRequest(**{k: encode(v) for k, v in inputs.items()}, **settings)
+    return stub.Train(request, timeout=120)
+
+
+def _local_value_loss(path: str, inputs: dict[str, torch.Tensor], **kwargs) -> tuple[float, dict[str, float], torch.Tensor]:
+    """The value loss of a saved critic in this process, with Infer's attention mask and padding id 0 after lengths."""
+    from algorithms import value_loss
+
+    tokens, lengths = inputs["tokens"].clone(), inputs["lengths"]
+    tokens[torch.arange(tokens.shape[1])[None, :] >= lengths[:, None]] = 0
+    model = load_scalar_head_model(path).eval()
+    with torch.no_grad():
+        values = per_token_scores(model, tokens, lengths)[:, :-1]
+        loss, stats = value_loss(values, inputs["old_values"], inputs["returns"], inputs["mask"], **kwargs)
+    return float(loss), {k: float(v) for k, v in stats.items()}, values
+
+
+def test_train_with_lengths_sees_the_attention_mask_infer_uses(stub):
+    """With lengths, what follows a row's end does not matter: the loss is that of the clean, masked batch."""
+    from algorithms import masked_mean
+
+    inputs = _train_inputs(21)
+    path = stub.Save(critic_pb2.SaveRequest(tag="before-lengths-check"), timeout=120).path
+    expected, stats, values = _local_value_loss(path, inputs, clip=0.2)
+    reply = _train_with(stub, inputs)
+    assert reply.loss == pytest.approx(expected, rel=1e-4)
+    assert reply.metrics["vf_clipfrac"] == pytest.approx(stats["vf_clipfrac"], abs=1e-6)
+    assert reply.metrics["values_mean"] == pytest.approx(float(masked_mean(values, inputs["mask"])), abs=1e-5)
+
+
+def test_value_clip_and_loss_scale_are_set_per_request(stub):
+    inputs = _train_inputs(22)
+    path = stub.Save(critic_pb2.SaveRequest(tag="before-settings-check"), timeout=120).path
+    configured, _, _ = _local_value_loss(path, inputs, clip=0.2, scale=1.0)
+    unclipped, _, _ = _local_value_loss(path, inputs, clip=0.0, scale=1.0)
+    assert abs(unclipped - configured) > 1e-3  # the batch is one where clipping matters
+    reply = _train_with(stub, inputs, value_clip=0.0, loss_scale=2.0)
+    assert reply.loss == pytest.approx(2 * unclipped, rel=1e-4)
+    assert reply.metrics["vf_clipfrac"] == 0.0
+    path = stub.Save(critic_pb2.SaveRequest(tag="before-clip-check"), timeout=120).path
+    expected, stats, _ = _local_value_loss(path, inputs, clip=0.05, scale=1.0)
+    reply = _train_with(stub, inputs, value_clip=0.05)
+    assert reply.loss == pytest.approx(expected, rel=1e-4)
+    assert reply.metrics["vf_clipfrac"] == pytest.approx(stats["vf_clipfrac"], abs=1e-6) and stats["vf_clipfrac"] > 0
+
+
+def test_bad_lengths_mask_and_loss_settings_name_the_field_and_leave_the_weights_alone(stub):
+    inputs = _train_inputs(23)
+    lengths = inputs["lengths"]
+    tokens, probe_lengths = batch(24)
+    before, step = infer(stub, tokens, probe_lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
+    past_end = inputs["mask"].clone()
+    row = int(torch.argmin(lengths))
+    past_end[row, int(lengths[row]) - 1] = 1.0  # the action after the row's last token
+    cases = [
+        ({"lengths": lengths * 0}, {}, ["lengths", "[1, 10]"]),
+        ({"lengths": lengths + 10}, {}, ["lengths", "[1, 10]"]),
+        ({"lengths": lengths.float()}, {}, ["lengths", "integer"]),
+        ({"lengths": lengths[:3]}, {}, ["lengths", "shape"]),
+        ({"mask": past_end}, {}, ["mask", f"mask[{row}, {int(lengths[row]) - 1}]", "lengths"]),
+        ({}, {"value_clip": -0.1}, ["value_clip", ">= 0"]),
+        ({}, {"value_clip": float("nan")}, ["value_clip", "finite"]),
+        ({}, {"value_clip": float("inf")}, ["value_clip", "finite"]),
+        ({}, {"loss_scale": 0.0}, ["loss_scale", "> 0"]),
+        ({}, {"loss_scale": -2.0}, ["loss_scale", "> 0"]),
+        ({}, {"loss_scale": float("nan")}, ["loss_scale", "finite"]),
+        ({}, {"loss_scale": float("-inf")}, ["loss_scale", "finite"]),
+    ]
+    for tensors, settings, words in cases:
+        request = critic_pb2.TrainRequest(**{k: encode(v) for k, v in {**inputs, **tensors}.items()}, **settings)
+        details = expect_invalid(stub.Train, request, *words)
+        assert details.startswith(words[0]), details
+    assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == step
+    torch.testing.assert_close(infer(stub, tokens, probe_lengths), before, atol=0, rtol=0)

@@ -254,7 +254,7 @@ def test_k8s_actor_job_mounts_its_config_and_the_runs_claim(k8s):
 
 
 def test_k8s_actor_config_is_the_demo_config(k8s, compose):
-    """The ConfigMap carries configs/demo.yaml verbatim (regenerate it as deploy/README.md says)."""
+    """The ConfigMap carries configs/ppo.yaml verbatim (regenerate it as deploy/README.md says)."""
     demo = ROOT / flag_value(compose["services"]["actor"]["command"], "--config")
     (config_map,) = [doc for (kind, _), doc in k8s.items() if kind == "ConfigMap"]
     assert yaml.safe_load(config_map["data"][demo.name]) == load_yaml(demo), (

@@ -22,12 +22,13 @@ from tests.service_procs import ROOT, ServiceProcess, free_port
 REQUIRED = ["step", "train_rollouts/rewards", "train_rollouts/init_policy_kl", "train_optim/loss", "critic/loss",
             "timers/rollout_time", "timers/generate", "timers/logprobs", "timers/init_logprobs", "timers/critic_wait",
             "timers/train_time"]
-TWO_STEPS = ["max_steps=2", "save_interval=0", "val_check_interval=0", "ppo.num_rollout_samples=16",
-             "ppo.rollout_micro_batch_size=8", "ppo.global_batch_size=8", "ppo.micro_batch_size=8", "log_samples=2"]
+TWO_STEPS = ["ppo.max_num_steps=2", "checkpointing.save_period=0", "ppo.val_period=0", "ppo.num_prompts_per_step=16",
+             "policy.generation_batch_size=8", "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
+             "logger.num_val_samples_to_print=2"]
 
 
 def run_actor(run_dir, *overrides: str, http_port: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", str(http_port),
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", str(http_port),
            f"run_dir={run_dir}", *TWO_STEPS, *overrides]
     return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
@@ -44,7 +45,7 @@ def test_actor_trains_two_steps_and_writes_metrics_and_checkpoints(servers, tmp_
     critic, reward = servers
     port = free_port()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", str(port),
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", str(port),
            f"run_dir={run_dir}", *TWO_STEPS, f"critic.address={critic.address}", f"reward.address={reward.address}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready_seen = False
@@ -90,11 +91,11 @@ def test_actor_fails_clearly_when_the_critic_is_unreachable(servers, tmp_path):
 
 
 def test_actor_rejects_a_bad_config_key_naming_it(tmp_path):
-    result = run_actor(tmp_path / "run", "ppo.gama=0.9", timeout=60)
+    result = run_actor(tmp_path / "run", "ppo.adv_estimator.gae_gama=0.9", timeout=60)
     assert result.returncode == 2
-    assert "ppo.gama" in result.stderr and "gamma" in result.stderr
-    result = run_actor(tmp_path / "run", "ppo.kl_estimator=k9", timeout=60)
-    assert result.returncode == 2 and "ppo.kl_estimator" in result.stderr and "'k1'" in result.stderr
+    assert "ppo.adv_estimator.gae_gama" in result.stderr and "gae_gamma" in result.stderr
+    result = run_actor(tmp_path / "run", "ppo.kl_controller.kl_type=k9", timeout=60)
+    assert result.returncode == 2 and "ppo.kl_controller.kl_type" in result.stderr and "'k1'" in result.stderr
 
 
 def test_combined_reward_and_critic_server(embedded_cache, embedded_assets, log_dir, tmp_path):
@@ -122,8 +123,8 @@ def test_combined_reward_and_critic_server(embedded_cache, embedded_assets, log_
 def test_actor_sigterm_finishes_the_step_checkpoints_and_exits_zero(servers, tmp_path):
     critic, reward = servers
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", "0",
-           f"run_dir={run_dir}", *TWO_STEPS, "max_steps=500", f"critic.address={critic.address}",
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
+           f"run_dir={run_dir}", *TWO_STEPS, "ppo.max_num_steps=500", f"critic.address={critic.address}",
            f"reward.address={reward.address}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
@@ -143,7 +144,7 @@ def test_actor_sigterm_finishes_the_step_checkpoints_and_exits_zero(servers, tmp
 def test_an_actor_started_before_its_servers_waits_for_them(embedded_cache, log_dir, tmp_path):
     critic_port, reward_port = free_port(), free_port()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "demo.yaml"), "--http-port", "0",
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
            f"run_dir={run_dir}", *TWO_STEPS, f"critic.address=127.0.0.1:{critic_port}",
            f"reward.address=127.0.0.1:{reward_port}", "critic.connect_timeout_s=180", "reward.connect_timeout_s=180"]
     actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -19,6 +19,7 @@ from embedded import resolve_model, task
 from ppo_services.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from reward_server.config import RewardConfig
 from reward_server.core import RewardCore
+from reward_server.scorers import SCORERS, no_negative
 from serving.codec import decode, encode
 from serving.errors import InvalidArgument
 from serving.modeling import (
@@ -51,6 +52,14 @@ def server(embedded_cache, log_dir):
 def rule_server(embedded_cache, log_dir):
     with ServiceProcess("reward", "--scorer", "positive_fraction", log_dir=log_dir,
                         env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def exact_server(embedded_cache, log_dir):
+    """exact_match as the reward, both task scorers as components."""
+    with ServiceProcess("reward", "--scorer", "exact_match", "components=[positive_fraction,no_negative]",
+                        log_dir=log_dir, env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as proc:
         yield proc
 
 
@@ -250,8 +259,6 @@ def _requests_with_errors(tokenizer) -> list[tuple[str, reward_pb2.ScoreRequest,
         ("labels count", tok(labels=["a"]), "labels"),
         ("prompts with tokens", tok(prompts=["a", "b"]), "prompts"),
         ("prompts count", reward_pb2.ScoreRequest(texts=["good", "bad"], prompts=["x"]), "prompts"),
-        ("prompt not a prefix", reward_pb2.ScoreRequest(texts=["good", "bad"], prompts=["", "sad"]),
-         "texts[1]"),
         ("labels count (texts)", reward_pb2.ScoreRequest(texts=["good"], labels=["a", "b"]), "labels"),
         ("text too long", reward_pb2.ScoreRequest(texts=["good", "good " * 65]), "texts[1]"),
         ("empty text", reward_pb2.ScoreRequest(texts=["", "good"]), "texts[0]"),
@@ -283,7 +290,7 @@ def test_wrong_wire_tensor_is_invalid_argument(stub):
     ({"query": [1, 2]}, 422, None),
     ({"query": []}, 422, None),
     ({"query": ["good", "bad"], "labels": ["a"]}, 400, "labels"),
-    ({"query": ["good", "bad"], "prompts": ["x", "y"]}, 400, "query[0]"),
+    ({"query": ["good"], "labels": "42"}, 422, None),
     ({"query": ["good " * 65]}, 400, "query[0]"),
 ])
 def test_get_reward_rejects_bad_bodies(server, body, status, field):
@@ -346,6 +353,14 @@ def test_rule_scorer_info(rule_stub, tokenizer):
     assert info.vocab_size == len(task.VOCAB)
     assert info.vocab_sha256 == vocab_sha256(tokenizer)
     assert list(info.components) == ["reward/positive_fraction"]
+    assert not info.needs_labels
+
+
+def test_a_scorer_that_compares_with_labels_says_so_in_get_info(exact_server):
+    channel, stub = open_stub(exact_server)
+    info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+    channel.close()
+    assert info.model == "rule:exact_match" and info.needs_labels
 
 
 def test_rule_scorer_scores_hand_written_responses(rule_server, rule_stub, tokenizer):
@@ -391,7 +406,124 @@ def test_unknown_scorer_exits_2_listing_the_scorers(embedded_cache):
                           check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "scorer" in proc.stderr and "nonsense" in proc.stderr
-    assert "exact_match" in proc.stderr and "positive_fraction" in proc.stderr
+    for name in SCORERS:
+        assert name in proc.stderr, name
+
+
+# --- OpenRLHF's remote reward client ------------------------------------------------------------
+
+
+def openrlhf_rewards(url: str, queries: list[str], prompts: list[str], labels: list) -> dict:
+    """What OpenRLHF's remote reward client does: POST {"query", "prompts", "labels"} as JSON, raise for an HTTP
+    error, read `rewards` (newer versions also `scores`, falling back to `rewards`, and `extra_logs`)."""
+    response = httpx.post(url, json={"query": queries, "prompts": prompts, "labels": labels},
+                          headers={"Content-Type": "application/json"}, timeout=180)
+    response.raise_for_status()
+    out = response.json()
+    assert "rewards" in out, out
+    return {"rewards": out["rewards"], "scores": out.get("scores", out["rewards"]),
+            "extra_logs": out.get("extra_logs") or {}}
+
+
+JSON_LABELS = {"int": 42, "float": 1.5, "list": [1, "two", None], "dict": {"answer": 42, "unit": "m"}, "null": None,
+               "bool": True, "string": "42"}
+
+
+@pytest.mark.parametrize("label", list(JSON_LABELS.values()), ids=list(JSON_LABELS))
+def test_get_reward_takes_any_json_label(server, label):
+    """The newest OpenRLHF sends one sample per request, with the label its dataset holds."""
+    prompt, response = "river castle =>", "good bad the great"
+    out = openrlhf_rewards(f"{server.http}/get_reward", [f"{prompt} {response}"], [prompt], [label])
+    assert len(out["rewards"]) == 1 and out["scores"] == out["rewards"]
+    assert out["extra_logs"] == {"reward/positive_fraction": [0.5]}
+
+
+def test_get_reward_takes_a_batch_of_mixed_labels(server, stub):
+    samples = make_samples(seed=8, n=len(JSON_LABELS))
+    queries = [f"{p} {r}" for p, r in samples]
+    out = openrlhf_rewards(f"{server.http}/get_reward", queries, [f"{p} " for p, _ in samples],
+                           list(JSON_LABELS.values()))
+    expected = decode(stub.Score(reward_pb2.ScoreRequest(texts=queries)).rewards, "r")
+    assert out["rewards"] == pytest.approx(expected.tolist(), abs=1e-6)
+    assert out["extra_logs"]["reward/positive_fraction"] == pytest.approx(truth(samples).tolist())
+
+
+def test_exact_match_compares_a_label_that_is_no_string_as_its_json_text(exact_server):
+    prompt = "what is 6 x 7?"
+    cases = [  # (response, label, reward)
+        (" 42", 42, 1.0), (" 41", 42, 0.0), ("42.0", 42, 0.0), (" 1.5 ", 1.5, 1.0), (" true", True, 1.0),
+        (" null", None, 1.0), (" ", None, 0.0), (" [1, 2]", [1, 2], 1.0), (' {"x": "é"}', {"x": "é"}, 1.0),
+        (" 42", "42", 1.0),
+    ]
+    out = openrlhf_rewards(f"{exact_server.http}/get_reward", [prompt + r for r, _, _ in cases],
+                           [prompt] * len(cases), [label for _, label, _ in cases])
+    assert out["rewards"] == [reward for _, _, reward in cases]
+
+
+def test_a_query_that_does_not_start_with_its_prompt_is_scored_whole(rule_server, rule_stub):
+    """OpenRLHF truncates long prompts: the query then holds less of the prompt than `prompts` does."""
+    prompts = ["river castle winter =>", "ocean =>", "city =>"]
+    queries = ["castle winter => good great", "ocean => good bad", "<bos> city => great"]
+    whole = [2 / 5, 1 / 2, 1 / 3]  # the first and last queries scored whole, the second after its prompt
+    out = openrlhf_rewards(f"{rule_server.http}/get_reward", queries, prompts, ["", "", ""])
+    assert out["rewards"] == pytest.approx(whole)
+    unprompted = openrlhf_rewards(f"{rule_server.http}/get_reward", [queries[0]], [], [])
+    assert out["rewards"][0] == unprompted["rewards"][0]
+    by_grpc = rule_stub.Score(reward_pb2.ScoreRequest(texts=queries, prompts=prompts))
+    assert decode(by_grpc.rewards, "r").tolist() == pytest.approx(whole)
+    assert "scored whole" not in rule_server.log()  # debug level, not one warning per request
+
+
+@pytest.mark.parametrize("raw, status, field", [
+    ('{"query": [NaN]}', 422, ["body", "query", 0]),
+    ('{"query": ["good"], "labels": [NaN]}', 400, "labels[0]"),
+    ('{"query": ["good", "bad"], "labels": ["", Infinity]}', 400, "labels[1]"),
+    ('{"query": ["good"], "labels": [1e400]}', 400, "labels[0]"),
+    ('{"query": ["good"], "labels": [{"score": -Infinity}]}', 400, "labels[0]"),
+    ('{"query": ["good \\ud800"]}', 400, "query[0]"),
+    ('{"query": ["good"], "prompts": ["\\udc00"]}', 400, "prompts[0]"),
+    ('{"query": ["good"], "labels": ["\\ud83d"]}', 400, "labels[0]"),
+    ('{"query": ["good"], "labels": [{"\\ud800": 1}]}', 400, "labels[0]"),
+    ('{"query": [NaN], "labels": ["\\ud800"]}', 422, ["body", "query", 0]),
+], ids=["nan-query", "nan-label", "infinity-label", "overflow-label", "nested-infinity", "surrogate-query",
+        "surrogate-prompt", "surrogate-label", "surrogate-key", "nan-and-surrogate"])
+def test_what_json_cannot_carry_is_refused_naming_the_field(server, stub, raw, status, field):
+    """Python's json.dumps (aiohttp's serializer) writes NaN and Infinity; \\uXXXX escapes can spell lone surrogates."""
+    response = httpx.post(f"{server.http}/get_reward", content=raw.encode(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    detail = response.json()["detail"]
+    if status == 422:
+        assert [e["loc"] for e in detail] == [field]
+    else:
+        assert detail.startswith(field), detail
+    assert httpx.get(f"{server.http}/ready").status_code == 200
+
+
+# --- no_negative ----------------------------------------------------------------------------------
+
+
+def test_no_negative_is_one_minus_the_negative_fraction():
+    assert task.negative_fraction("good bad the sad") == 0.5
+    assert task.negative_fraction("<bos> awful <eos>") == 1.0  # special tokens are no words
+    assert task.negative_fraction("") == 0.0
+    for response, expected in [("good bad the great", 0.75), ("sad awful", 0.0), ("amazing <eos>", 1.0),
+                               ("river castle =>", 1.0), ("unknown hate", 0.5), ("", 0.0), ("  <eos> <pad>", 0.0)]:
+        assert no_negative(response) == expected, response
+        assert SCORERS["no_negative"].score(response, None) == expected
+
+
+def test_every_scorer_is_documented_and_no_negative_is_served_as_a_component(exact_server):
+    description = RewardConfig.model_fields["scorer"].description
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    for name in SCORERS:
+        assert name in description and f"{name} (" in reference, name
+    assert "no_negative" in (ROOT / "README.md").read_text()
+    out = openrlhf_rewards(f"{exact_server.http}/get_reward", ["=> good bad the great", "=> "], ["=> "] * 2,
+                           ["good bad the great", "x"])
+    assert out["rewards"] == [1.0, 0.0]
+    assert out["extra_logs"] == {"reward/exact_match": [1.0, 0.0], "reward/positive_fraction": [0.5, 0.0],
+                                 "reward/no_negative": [0.75, 0.0]}
 
 
 def test_sigterm_exits_zero(rule_server):

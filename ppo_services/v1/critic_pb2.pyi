@@ -24,16 +24,22 @@ class InferResponse(_message.Message):
     def __init__(self, values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("tokens", "returns", "old_values", "mask")
+    __slots__ = ("tokens", "returns", "old_values", "mask", "lengths", "value_clip", "loss_scale")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     tokens: _common_pb2.Tensor
     returns: _common_pb2.Tensor
     old_values: _common_pb2.Tensor
     mask: _common_pb2.Tensor
-    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    lengths: _common_pb2.Tensor
+    value_clip: float
+    loss_scale: float
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("loss", "metrics", "train_step")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ppo_services.v1 import common_pb2 as ppo__services_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cppo_services/v1/reward.proto\x12\x0fppo_services.v1\x1a\x1cppo_services/v1/common.proto\"\xc2\x01\n\x0cScoreRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12/\n\x0eprompt_lengths\x18\x03 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\r\n\x05texts\x18\x04 \x03(\t\x12\x0f\n\x07prompts\x18\x05 \x03(\t\x12\x0e\n\x06labels\x18\x06 \x03(\t\"\xc9\x01\n\rScoreResponse\x12(\n\x07rewards\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\x42\n\ncomponents\x18\x02 \x03(\x0b\x32..ppo_services.v1.ScoreResponse.ComponentsEntry\x1aJ\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor:\x02\x38\x01\"{\n\nRewardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nmax_length\x18\x04 \x01(\x03\x12\x14\n\x0cvocab_sha256\x18\x05 \x01(\t\x12\x12\n\ncomponents\x18\x06 \x03(\t2\xa0\x01\n\rRewardService\x12\x46\n\x05Score\x12\x1d.ppo_services.v1.ScoreRequest\x1a\x1e.ppo_services.v1.ScoreResponse\x12G\n\x07GetInfo\x12\x1f.ppo_services.v1.GetInfoRequest\x1a\x1b.ppo_services.v1.RewardInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cppo_services/v1/reward.proto\x12\x0fppo_services.v1\x1a\x1cppo_services/v1/common.proto\"\xc2\x01\n\x0cScoreRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12/\n\x0eprompt_lengths\x18\x03 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\r\n\x05texts\x18\x04 \x03(\t\x12\x0f\n\x07prompts\x18\x05 \x03(\t\x12\x0e\n\x06labels\x18\x06 \x03(\t\"\xc9\x01\n\rScoreResponse\x12(\n\x07rewards\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\x42\n\ncomponents\x18\x02 \x03(\x0b\x32..ppo_services.v1.ScoreResponse.ComponentsEntry\x1aJ\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor:\x02\x38\x01\"\x91\x01\n\nRewardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nmax_length\x18\x04 \x01(\x03\x12\x14\n\x0cvocab_sha256\x18\x05 \x01(\t\x12\x12\n\ncomponents\x18\x06 \x03(\t\x12\x14\n\x0cneeds_labels\x18\x07 \x01(\x08\x32\xa0\x01\n\rRewardService\x12\x46\n\x05Score\x12\x1d.ppo_services.v1.ScoreRequest\x1a\x1e.ppo_services.v1.ScoreResponse\x12G\n\x07GetInfo\x12\x1f.ppo_services.v1.GetInfoRequest\x1a\x1b.ppo_services.v1.RewardInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,8 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORERESPONSE']._serialized_end=478
   _globals['_SCORERESPONSE_COMPONENTSENTRY']._serialized_start=404
   _globals['_SCORERESPONSE_COMPONENTSENTRY']._serialized_end=478
-  _globals['_REWARDINFO']._serialized_start=480
-  _globals['_REWARDINFO']._serialized_end=603
-  _globals['_REWARDSERVICE']._serialized_start=606
-  _globals['_REWARDSERVICE']._serialized_end=766
+  _globals['_REWARDINFO']._serialized_start=481
+  _globals['_REWARDINFO']._serialized_end=626
+  _globals['_REWARDSERVICE']._serialized_start=629
+  _globals['_REWARDSERVICE']._serialized_end=789
 # @@protoc_insertion_point(module_scope)

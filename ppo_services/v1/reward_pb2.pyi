@@ -39,17 +39,19 @@ class ScoreResponse(_message.Message):
     def __init__(self, rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., components: _Optional[_Mapping[str, _common_pb2.Tensor]] = ...) -> None: ...
 
 class RewardInfo(_message.Message):
-    __slots__ = ("model", "kind", "vocab_size", "max_length", "vocab_sha256", "components")
+    __slots__ = ("model", "kind", "vocab_size", "max_length", "vocab_sha256", "components", "needs_labels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_LABELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     vocab_size: int
     max_length: int
     vocab_sha256: str
     components: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ...) -> None: ...
+    needs_labels: bool
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ..., needs_labels: _Optional[bool] = ...) -> None: ...

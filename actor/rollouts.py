@@ -1,0 +1,216 @@
+"""Rollout collection: prompts (with their labels) repeated into groups, generation, critic values, rewards and
+log-probs, and DAPO's dynamic sampling. The trainer asks for one step's batch; everything that talks to the
+generation engine and the remote servers while it is made lives here.
+
+A group is the `num_generations_per_prompt` samples of one prompt. Groups stay whole and contiguous through
+every stage: dynamic sampling keeps or drops whole groups, and the policy update shuffles groups, not rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from algorithms import groups_with_signal, logprobs_from_logits
+from serving.modeling import attention_mask_from_lengths, pad_and_stack
+
+from .clients import CriticClient, OpenRLHFRewardClient, Pending, RewardClient, Scores, label_text
+from .data import Prompt, PromptSampler
+from .generation import GenerationBackend, Rollout, SamplingParams, concat_rollouts, select_rows
+from .tracking import Timers
+
+# (rollout, labels or None) -> the reward request in flight
+ScoreFn = Callable[[Rollout, list[Any] | None], Pending[Scores]]
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling could not fill a step within dynamic_sampling_max_gen_batches."""
+
+
+@dataclass
+class RolloutBatch:
+    """One step's experience. Per-action tensors are float32 [B, S-1] (action t produced token t+1)."""
+
+    rollout: Rollout
+    group_ids: torch.Tensor  # int64 [B]: samples with one id are the generations of one prompt
+    labels: list[Any] | None  # the prompt's label for every sample, or None when the data has none
+    mask: torch.Tensor  # 1 on response actions
+    logprobs: torch.Tensor  # policy at rollout time
+    ref_logprobs: torch.Tensor | None  # frozen reference policy; None when skipped
+    values: torch.Tensor | None  # critic value of the prefix before each action; None without a critic
+    rewards: torch.Tensor  # [B] sequence reward as the reward source gave it (unscaled, unshaped)
+    components: dict[str, torch.Tensor]  # named reward components, [B] each, as given
+
+    @property
+    def size(self) -> int:
+        return int(self.group_ids.shape[0])
+
+    def select(self, index: torch.Tensor) -> RolloutBatch:
+        """Rows `index` (int64 [K]), every field alike."""
+        width = int(self.rollout.lengths[index].max()) - 1 if len(index) else 0
+
+        def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[index, :width]
+
+        return RolloutBatch(
+            rollout=select_rows(self.rollout, index), group_ids=self.group_ids[index],
+            labels=None if self.labels is None else [self.labels[i] for i in index.tolist()],
+            mask=rows(self.mask), logprobs=rows(self.logprobs), ref_logprobs=rows(self.ref_logprobs),
+            values=rows(self.values), rewards=self.rewards[index],
+            components={k: v[index] for k, v in self.components.items()},
+        )
+
+
+def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    def cat(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if any(x is None for x in xs) else pad_and_stack(xs)
+
+    first = parts[0]
+    return RolloutBatch(
+        rollout=concat_rollouts([p.rollout for p in parts], pad_id),
+        group_ids=torch.cat([p.group_ids for p in parts]),
+        labels=None if first.labels is None else [label for p in parts for label in p.labels],
+        mask=cat([p.mask for p in parts]), logprobs=cat([p.logprobs for p in parts]),
+        ref_logprobs=cat([p.ref_logprobs for p in parts]), values=cat([p.values for p in parts]),
+        rewards=torch.cat([p.rewards for p in parts]),
+        components={k: torch.cat([p.components[k] for p in parts]) for k in first.components},
+    )
+
+
+def first_groups(batch: RolloutBatch, n_groups: int) -> RolloutBatch:
+    """The first `n_groups` whole groups, in order."""
+    ids = list(dict.fromkeys(batch.group_ids.tolist()))[:n_groups]
+    keep = torch.isin(batch.group_ids, torch.tensor(ids, dtype=batch.group_ids.dtype))
+    return batch.select(keep.nonzero().squeeze(1))
+
+
+def decoded_texts(tokenizer: PreTrainedTokenizerBase, r: Rollout) -> tuple[list[str], list[str]]:
+    """(prompt + response texts, prompt texts) of each row, special tokens skipped. Each text starts with its
+    prompt text: it is the decoded whole row when that begins with the decoded prompt, else the two joined."""
+    texts, prompts = [], []
+    for i in range(r.tokens.shape[0]):
+        p, n = int(r.prompt_lengths[i]), int(r.lengths[i])
+        prompt = tokenizer.decode(r.tokens[i, :p], skip_special_tokens=True)
+        whole = tokenizer.decode(r.tokens[i, :n], skip_special_tokens=True)
+        if not whole.startswith(prompt):
+            whole = prompt + tokenizer.decode(r.tokens[i, p:n], skip_special_tokens=True)
+        texts.append(whole)
+        prompts.append(prompt)
+    return texts, prompts
+
+
+def token_scorer(client: RewardClient) -> ScoreFn:
+    def score(r: Rollout, labels: list[Any] | None) -> Pending[Scores]:
+        return client.score_tokens(r.tokens, r.lengths, r.prompt_lengths,
+                                   None if labels is None else [label_text(x) for x in labels])
+    return score
+
+
+def text_scorer(client: RewardClient | OpenRLHFRewardClient, tokenizer: PreTrainedTokenizerBase) -> ScoreFn:
+    """Decoded texts to a reward server with its own tokenizer; labels as strings for gRPC, as they are for
+    OpenRLHF's JSON protocol."""
+    as_text = isinstance(client, RewardClient)
+
+    def score(r: Rollout, labels: list[Any] | None) -> Pending[Scores]:
+        texts, prompts = decoded_texts(tokenizer, r)
+        if labels is not None and as_text:
+            labels = [label_text(x) for x in labels]
+        return client.score_texts(texts, prompts, labels)
+    return score
+
+
+class RolloutCollector:
+    """Makes a step's RolloutBatch: per generation batch, the critic and reward requests go out as soon as the
+    batch is generated and the actor computes the policy's and the reference's log-probs while they run."""
+
+    def __init__(self, *, policy: PreTrainedModel, reference: PreTrainedModel | None, backend: GenerationBackend,
+                 critic: CriticClient | None, score: ScoreFn | None, pad_id: int, device: torch.device,
+                 generation_batch_size: int, logprob_batch_size: int, timers: Timers):
+        self.policy, self.reference, self.backend = policy, reference, backend
+        self.critic, self.score = critic, score  # score None: rewards come with the critic's values (combined)
+        self.pad_id, self.device = pad_id, device
+        self.generation_batch_size, self.logprob_batch_size = generation_batch_size, logprob_batch_size
+        self.timers = timers
+        self._next_group = 0
+
+    def logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Log-prob of each next token, float32 [B, S-1], in batches of logprob_batch_size, without gradients."""
+        out = []
+        with torch.no_grad():
+            for i in range(0, tokens.shape[0], self.logprob_batch_size):
+                tok, n = tokens[i:i + self.logprob_batch_size].to(self.device), lengths[i:i + self.logprob_batch_size].to(self.device)
+                logits = model(input_ids=tok, attention_mask=attention_mask_from_lengths(n, tok.shape[1])).logits
+                out.append(logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:]).cpu())
+        return torch.cat(out)
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams, seed: int, generations: int = 1,
+                 batch_size: int | None = None, train: bool = True) -> RolloutBatch:
+        """`generations` samples of every prompt (consecutive rows, one group id per prompt), scored. With
+        `train`, also critic values and the policy's and reference's log-probs."""
+        t = self.timers
+        rows = [p for p in prompts for _ in range(generations)]
+        group_ids = torch.arange(self._next_group, self._next_group + len(prompts)).repeat_interleave(generations)
+        self._next_group += len(prompts)
+        labels = None if any(p.label is None for p in prompts) else [p.label for p in rows]
+        step = batch_size or self.generation_batch_size
+        parts = []
+        for i in range(0, len(rows), step):
+            with t("generate"):
+                r = self.backend.generate([p.ids for p in rows[i:i + step]], params, seed=seed * 100_003 + i)
+            chunk_labels = None if labels is None else labels[i:i + step]
+            values = self.critic.infer(r.tokens, r.lengths) if self.critic is not None and (train or self.score is None) else None
+            scores = self.score(r, chunk_labels) if self.score is not None else values.then(lambda vr: (vr[1], {}))
+            lp = ref = None
+            if train:
+                with t("logprobs"):
+                    lp = self.logprobs(self.policy, r.tokens, r.lengths)
+                if self.reference is not None:
+                    with t("init_logprobs"):
+                        ref = self.logprobs(self.reference, r.tokens, r.lengths)
+            parts.append((r, values, scores, lp, ref))
+        with t("critic_wait"):
+            remote = [(v.result()[0] if v is not None and train else None, s.result()) for _, v, s, _, _ in parts]
+        rollout = concat_rollouts([p[0] for p in parts], self.pad_id)
+        mask = rollout.action_mask()
+        names = remote[0][1][1].keys()
+        return RolloutBatch(
+            rollout=rollout, group_ids=group_ids, labels=labels, mask=mask,
+            logprobs=pad_and_stack([p[3] for p in parts]) if train else torch.zeros_like(mask),
+            ref_logprobs=pad_and_stack([p[4] for p in parts]) if train and self.reference is not None else None,
+            values=pad_and_stack([v for v, _ in remote])[:, :-1] if train and self.critic is not None else None,
+            rewards=torch.cat([s[0] for _, s in remote]).float(),
+            components={k: torch.cat([s[1][k] for _, s in remote]).float() for k in names},
+        )
+
+    def collect(self, sampler: PromptSampler, params: SamplingParams, seed: int, num_prompts: int, generations: int,
+                dynamic_sampling: bool, max_gen_batches: int, batch_multiplier: float) -> tuple[RolloutBatch, int]:
+        """One step's batch of `num_prompts` whole groups. With dynamic sampling, groups whose rewards are all
+        equal are dropped and generation repeats (ceil(num_prompts * batch_multiplier) prompts a time, kept
+        groups cached) until the step is full; after max_gen_batches it fails with DynamicSamplingError.
+        Returns the batch and the number of generation batches it took."""
+        if not dynamic_sampling:
+            return self.generate(sampler.take(num_prompts), params, seed, generations), 1
+        kept: list[RolloutBatch] = []
+        n_kept = 0
+        per_batch = math.ceil(num_prompts * batch_multiplier)
+        for gen_batch in range(max_gen_batches):
+            batch = self.generate(sampler.take(per_batch), params, seed * 1_009 + gen_batch, generations)
+            signal = groups_with_signal(batch.rewards, batch.group_ids)
+            batch = batch.select(signal.nonzero().squeeze(1))
+            if batch.size:
+                kept.append(batch)
+                n_kept += batch.size // generations
+            if n_kept >= num_prompts:
+                return first_groups(concat_batches(kept, self.pad_id), num_prompts), gen_batch + 1
+        raise DynamicSamplingError(
+            f"dynamic sampling kept {n_kept} of the {num_prompts} prompt groups a step needs after {max_gen_batches} "
+            f"generation batches (ppo.dynamic_sampling_max_gen_batches): the rewards of too many prompts are all "
+            "equal. Raise ppo.dynamic_sampling_max_gen_batches or ppo.batch_multiplier, or turn "
+            "ppo.use_dynamic_sampling off"
+        )
+

@@ -1,0 +1,89 @@
+"""Truncated importance sampling for off-policy (async) rollouts: the generator's log-probs differ from
+the trainer's rollout-time log-probs, so each token is reweighted by ``w = exp(lp_old - lp_gen)``."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from algorithms.masked import masked_mean, masked_min_max
+
+ImportanceKind = Literal["tis", "icepop", "seq-mask-tis"]
+
+
+def truncated_importance_weights(
+    old_logprobs: Tensor,
+    generation_logprobs: Tensor,
+    mask: Tensor,
+    kind: ImportanceKind,
+    low: float,
+    high: float,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Per-token importance weights ``w = exp(old_logprobs - generation_logprobs)``, truncated.
+
+    - ``"tis"``: ``clamp(w, low, high)``; the mask is unchanged.
+    - ``"icepop"``: ``w`` where ``low <= w <= high``, else 0; the mask is unchanged (zeroed tokens still
+      count in the token divisor).
+    - ``"seq-mask-tis"``: a row whose geometric-mean weight ``exp(mean log w over its valid tokens)`` lies
+      outside ``[low, high]`` is dropped: its mask and weights become 0. Kept rows get ``clamp(w, low, high)``
+      per token.
+
+    Pass the result to :func:`algorithms.losses.policy_loss` as ``importance_weights`` together with the
+    returned mask.
+
+    Args:
+        old_logprobs: float [B, T], the trainer's log-probs of the taken tokens at rollout time.
+        generation_logprobs: float [B, T], the same tokens' log-probs reported by the generation engine.
+        mask: bool/float [B, T], 1 on response tokens.
+        kind: ``"tis"``, ``"icepop"`` or ``"seq-mask-tis"``.
+        low: lower truncation bound (>= 0).
+        high: upper truncation bound (>= ``low``).
+
+    Returns:
+        ``(weights, mask, metrics)``: detached float [B, T] weights in the promoted input dtype, 0 outside the
+        returned mask; the bool [B, T] mask (reduced only by ``seq-mask-tis``); detached 0-dim metrics over
+        the input's valid tokens: ``is_weight_mean``, ``is_weight_min``, ``is_weight_max`` (of the
+        untruncated ``w``), ``is_clipfrac`` (fraction of tokens whose weight was clamped, zeroed or dropped)
+        and ``is_dropped_sequences`` (number of dropped rows; 0 for ``tis`` and ``icepop``).
+
+    Raises:
+        ValueError: for an unknown ``kind`` or bounds with ``not 0 <= low <= high``.
+    """
+    allowed = get_args(ImportanceKind)
+    if kind not in allowed:
+        raise ValueError(f"unknown importance sampling kind {kind!r}; allowed values: {', '.join(allowed)}")
+    if not 0.0 <= low <= high:
+        raise ValueError(f"importance weight bounds need 0 <= low <= high, got {low}..{high}")
+    with torch.no_grad():
+        valid = mask.bool()
+        dtype = torch.promote_types(old_logprobs.dtype, generation_logprobs.dtype)
+        zero = torch.zeros((), dtype=dtype, device=old_logprobs.device)
+        # 0 at padding so exp() cannot overflow on junk log-probs
+        log_w = torch.where(valid, (old_logprobs - generation_logprobs).to(dtype), zero)
+        raw = torch.exp(log_w)
+        outside = valid & ((raw < low) | (raw > high))
+        new_valid = valid
+        dropped = torch.zeros(valid.shape[0], dtype=torch.bool, device=valid.device)
+        if kind == "icepop":
+            weights = torch.where(outside, zero, raw)
+        else:
+            weights = torch.clamp(raw, low, high)
+        if kind == "seq-mask-tis":
+            seq_weight = torch.exp(masked_mean(log_w, valid, dim=-1))
+            has_tokens = valid.any(dim=-1)
+            dropped = has_tokens & ((seq_weight < low) | (seq_weight > high))
+            new_valid = valid & ~dropped.unsqueeze(-1)
+        weights = torch.where(new_valid, weights, zero)
+        # a token counts as truncated if its weight changed: clamped/zeroed, or its whole row dropped
+        truncated = outside | (valid & ~new_valid)
+        weight_min, weight_max = masked_min_max(raw, valid)
+        metrics = {
+            "is_weight_mean": masked_mean(raw, valid),
+            "is_weight_min": weight_min,
+            "is_weight_max": weight_max,
+            "is_clipfrac": masked_mean(truncated.to(dtype), valid),
+            "is_dropped_sequences": dropped.sum().to(dtype),
+        }
+    return weights, new_valid, metrics

@@ -1,0 +1,208 @@
+"""Every algorithm as a user runs it: `python -m actor --config configs/<algo>.yaml` against real servers.
+
+Rewards with labels, a reward model with its own tokenizer, OpenRLHF's protocol, dynamic sampling, runs with no
+critic anywhere, and each example config raising the embedded task's reward.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
+
+from actor.clients import RewardClient
+from actor.config import RewardConfig
+from actor.generation import Rollout
+from actor.rollouts import text_scorer, token_scorer
+from tests.service_procs import ROOT, ServiceProcess, free_port
+
+SMALL = ["checkpointing.enabled=false", "ppo.val_period=0", "ppo.num_prompts_per_step=8",
+         "ppo.num_generations_per_prompt=4", "policy.generation_batch_size=16", "policy.train_global_batch_size=16",
+         "policy.train_micro_batch_size=16", "logger.num_val_samples_to_print=0", "policy.generation.max_new_tokens=8"]
+
+
+def run_actor(config: str, run_dir, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / f"{config}.yaml"), "--http-port", "0",
+           f"run_dir={run_dir}", *overrides]
+    return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reward(embedded_cache, log_dir):
+    """The demo's reward server: the learned RM with two rule components."""
+    with ServiceProcess("reward", "components=[positive_fraction,no_negative]", log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def critic(embedded_cache, log_dir, tmp_path_factory):
+    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path_factory.mktemp("ckpt")), log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def labelled_prompts(embedded_assets, tmp_path_factory):
+    """Embedded prompts with a label each: a positive word, so exact_match pays responses that are just it."""
+    path = tmp_path_factory.mktemp("data") / "labelled.jsonl"
+    lines = embedded_assets.prompts_train.read_text().splitlines()[:64]
+    path.write_text("".join(json.dumps({**json.loads(line), "label": "good"}) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def permuted_reward_model(embedded_assets, tmp_path_factory):
+    """The embedded reward model with a different tokenizer: the ids of 'good' and 'bad' swapped, and its
+    embedding rows swapped with them, so it scores every text exactly as the original does."""
+    out = tmp_path_factory.mktemp("permuted-rm")
+    tok = AutoTokenizer.from_pretrained(embedded_assets.reward_model)
+    vocab = tok.get_vocab()
+    a, b = vocab["good"], vocab["bad"]
+    vocab["good"], vocab["bad"] = b, a
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=tok.unk_token))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=tok.pad_token, unk_token=tok.unk_token,
+                            bos_token=tok.bos_token, eos_token=tok.eos_token,
+                            model_max_length=tok.model_max_length).save_pretrained(out)
+    model = AutoModelForSequenceClassification.from_pretrained(embedded_assets.reward_model)
+    emb = model.get_input_embeddings().weight.data
+    emb[[a, b]] = emb[[b, a]]
+    model.save_pretrained(out)
+    return out
+
+
+# --- rewards ------------------------------------------------------------------------------------------------
+
+
+def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_cache, embedded_assets, log_dir):
+    tok = AutoTokenizer.from_pretrained(embedded_assets.policy)
+    prompt, good, bad = tok("river =>")["input_ids"], tok("good")["input_ids"], tok("bad")["input_ids"]
+    rows = [prompt + good, prompt + bad, prompt + good]
+    tokens = torch.tensor(rows)
+    rollout = Rollout(tokens, torch.tensor([len(r) for r in rows]), torch.tensor([len(prompt)] * 3),
+                      torch.ones(3, dtype=torch.bool))
+    with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
+        client = RewardClient(RewardConfig(address=server.address))
+        rewards, _ = token_scorer(client)(rollout, ["good", "good", "bad"]).result()
+        assert rewards.tolist() == [1.0, 0.0, 0.0]
+        rewards, _ = text_scorer(client, tok)(rollout, ["good", "bad", {"not": "good"}]).result()
+        assert rewards.tolist() == [1.0, 1.0, 0.0]
+        client.close()
+
+
+def test_grpo_with_exact_match_on_labelled_prompts(embedded_cache, labelled_prompts, log_dir, tmp_path):
+    with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
+        run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", f"reward.address={server.address}",
+                        f"data.train_file={labelled_prompts}", critic_dead())
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = metrics(tmp_path / "run")
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all("train_rollouts/reward/exact_match" in r for r in rows)
+        # without labels the scorer cannot work: a start-up error naming the line and the key
+        run = run_actor("grpo", tmp_path / "run2", *SMALL, f"reward.address={server.address}", critic_dead())
+        assert run.returncode == 1
+        assert "prompts_train.jsonl:1" in run.stderr and "data.label_key" in run.stderr, run.stderr[-2000:]
+
+
+def test_a_reward_model_with_its_own_tokenizer_gets_texts(embedded_cache, permuted_reward_model, log_dir, tmp_path):
+    with ServiceProcess("reward", "--model", str(permuted_reward_model), log_dir=log_dir) as server:
+        run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=1", f"reward.address={server.address}",
+                        critic_dead())
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "gets decoded texts: its tokenizer differs from the policy's" in run.stderr
+        assert 0.0 <= metrics(tmp_path / "run")[0]["train_rollouts/rewards"] <= 1.1
+        run = run_actor("grpo", tmp_path / "run2", *SMALL, "reward.input=tokens", f"reward.address={server.address}",
+                        critic_dead())
+        assert run.returncode == 1 and "reward.input=text" in run.stderr, run.stderr[-2000:]
+
+
+def test_a_rule_scorer_with_another_tokenizer_names_its_tokenizer_key(embedded_cache, permuted_reward_model,
+                                                                      log_dir, tmp_path):
+    with ServiceProcess("reward", "--scorer", "positive_fraction", f"tokenizer={permuted_reward_model}",
+                        log_dir=log_dir) as server:
+        run = run_actor("grpo", tmp_path / "run", *SMALL, "reward.input=tokens", f"reward.address={server.address}",
+                        critic_dead())
+        assert run.returncode == 1 and "`tokenizer` key" in run.stderr, run.stderr[-2000:]
+
+
+def test_openrlhf_reward_source(reward, tmp_path):
+    url = f"{reward.http}/get_reward"
+    run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=1", "reward.source=openrlhf",
+                    f"reward.url={url}", critic_dead())
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = metrics(tmp_path / "run")[0]
+    assert "train_rollouts/reward/positive_fraction" in row and "train_rollouts/reward/no_negative" in row
+    dead = f"http://127.0.0.1:{free_port()}/get_reward"
+    run = run_actor("grpo", tmp_path / "run2", *SMALL, "reward.source=openrlhf", f"reward.url={dead}",
+                    "reward.retries=1", critic_dead())
+    assert run.returncode == 1 and dead in run.stderr and "cannot connect after 2 tries" in run.stderr
+
+
+# --- estimators and sampling ------------------------------------------------------------------------------
+
+
+def critic_dead() -> str:
+    """A critic address where nothing listens: runs that need no critic must never try it."""
+    return f"critic.address=127.0.0.1:{free_port()}"
+
+
+def test_grpo_runs_without_any_critic_server(reward, tmp_path):
+    run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", f"reward.address={reward.address}",
+                    critic_dead(), "critic.connect_timeout_s=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "needs no critic values: no critic server is used" in run.stderr
+    rows = metrics(tmp_path / "run")
+    assert not any(k.startswith("critic/") for r in rows for k in r)
+    assert all(r["train_rollouts/rollout_size"] == 32 and r["train_rollouts/num_groups"] == 8 for r in rows)
+
+
+def test_dynamic_sampling_keeps_whole_groups(reward, tmp_path):
+    run = run_actor("dapo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", f"reward.address={reward.address}",
+                    critic_dead())
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in metrics(tmp_path / "run"):
+        assert r["train_rollouts/rollout_size"] == 32 and r["train_rollouts/num_groups"] == 8
+        assert r["train_rollouts/dynamic_sampling_gen_batches"] >= 1
+
+
+def test_dynamic_sampling_fails_clearly_at_its_limit(embedded_cache, labelled_prompts, log_dir, tmp_path):
+    # exact_match against a label no response can equal: every group's rewards are all 0
+    path = tmp_path / "never.jsonl"
+    path.write_text(labelled_prompts.read_text().replace('"label": "good"', '"label": "no such answer"'))
+    with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
+        run = run_actor("dapo", tmp_path / "run", *SMALL, "ppo.dynamic_sampling_max_gen_batches=2",
+                        f"reward.address={server.address}", f"data.train_file={path}", critic_dead())
+    assert run.returncode == 1
+    assert "dynamic sampling kept 0 of the 8 prompt groups" in run.stderr, run.stderr[-2000:]
+    assert "ppo.dynamic_sampling_max_gen_batches" in run.stderr
+
+
+def test_gdpo_refuses_a_reward_source_with_one_component(embedded_cache, log_dir, tmp_path):
+    with ServiceProcess("reward", "components=[positive_fraction]", log_dir=log_dir) as server:
+        run = run_actor("gdpo", tmp_path / "run", *SMALL, f"reward.address={server.address}", critic_dead())
+    assert run.returncode == 1 and "gdpo needs at least two reward components" in run.stderr, run.stderr[-2000:]
+
+
+# --- learning ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ppo", "grpo", "gdpo", "reinforce_pp", "dapo"])
+def test_every_example_config_raises_the_reward(config, reward, critic, tmp_path):
+    """A short run of each example config on the embedded task; loose bound: the ground-truth reward (the
+    positive fraction) of the last two steps beats the first step's by 0.1."""
+    run = run_actor(config, tmp_path / "run", "ppo.max_num_steps=8", "ppo.val_period=0", "checkpointing.enabled=false",
+                    "logger.num_val_samples_to_print=0", f"reward.address={reward.address}",
+                    f"critic.address={critic.address}", timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    truth = [r["train_rollouts/reward/positive_fraction"] for r in rows]
+    assert sum(truth[-2:]) / 2 - truth[0] >= 0.1, truth
