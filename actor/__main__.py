@@ -7,6 +7,7 @@ import sys
 
 from serving.config import parse_cli
 
+from .advantages import MissingRewardComponents
 from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
 from .data import DataError
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         trainer.fit()
-    except (RemoteError, DynamicSamplingError) as e:
+    except (RemoteError, DynamicSamplingError, MissingRewardComponents) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -44,6 +44,10 @@ class AdvantageInputs:
     kl_penalty: Tensor  # beta * KL per token when the KL is in the reward, else zeros
 
 
+class MissingRewardComponents(ValueError):
+    """The reward source did not report the components an estimator needs."""
+
+
 # inputs -> (advantages [B, T], returns [B, T] for the critic or None)
 Estimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
 Whitening = Callable[[Tensor, Tensor], Tensor]
@@ -78,7 +82,7 @@ def _gdpo(cfg: AdvEstimatorConfig) -> Estimator:
         names = cfg.reward_components or sorted(x.components)
         missing = [n for n in names if n not in x.components]
         if missing or len(names) < 2:
-            raise ValueError(f"ppo.adv_estimator.name=gdpo needs at least two reward components; the reward source "
+            raise MissingRewardComponents(f"ppo.adv_estimator.name=gdpo needs at least two reward components; the reward source "
                              f"reports {sorted(x.components)}, ppo.adv_estimator.reward_components asks for {names}")
         weights = cfg.reward_weights or [1.0] * len(names)
         stacked = torch.stack([x.components[n] for n in names])

@@ -58,7 +58,7 @@ def render() -> str:
     parts = ["# Configuration reference", "",
              "Generated from the config models by `python scripts/gen_config_docs.py`; do not edit by hand.",
              "Every service reads an optional YAML file (`--config FILE`) and dotted command-line overrides",
-             "(`ppo.gamma=0.99`, `generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys.",
+             "(`ppo.adv_estimator.gae_gamma=0.99`, `policy.generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys.",
              "Unknown keys and bad values stop the service at start-up with a message naming the key.", ""]
     for name, usage, model in SERVICES:
         parts += [f"## `{name}`", "", f"`{usage}`", "", "| key | type | default | meaning |", "|---|---|---|---|",

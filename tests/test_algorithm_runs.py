@@ -206,3 +206,27 @@ def test_every_example_config_raises_the_reward(config, reward, critic, tmp_path
     rows = metrics(tmp_path / "run")
     truth = [r["train_rollouts/reward/positive_fraction"] for r in rows]
     assert sum(truth[-2:]) / 2 - truth[0] >= 0.1, truth
+
+
+def test_warmup_validation_adaptive_kl_and_importance_sampling_in_one_run(reward, critic, tmp_path):
+    """The critic trains from step 1 and the policy from policy_training_start_step; validation before the
+    first step and after the last; the adaptive controller moves beta; TIS reports its weights."""
+    run = run_actor("ppo", tmp_path / "run", "ppo.max_num_steps=2", "ppo.num_prompts_per_step=16",
+                    "policy.generation_batch_size=8", "policy.train_global_batch_size=8",
+                    "policy.train_micro_batch_size=4", "checkpointing.enabled=false", "logger.num_val_samples_to_print=0",
+                    "ppo.policy_training_start_step=2", "ppo.val_period=0", "ppo.val_at_start=true",
+                    "ppo.val_at_end=true", "ppo.max_val_samples=8", "ppo.val_batch_size=4",
+                    "ppo.kl_controller.type=adaptive", "ppo.kl_controller.horizon=100",
+                    "loss_fn.token_level_loss=false", "loss_fn.ratio_clip_c=3",
+                    "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis",
+                    f"reward.address={reward.address}", f"critic.address={critic.address}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["step"]: r for r in metrics(tmp_path / "run")}
+    assert sorted(rows) == [0, 1, 2]
+    assert "val/rewards" in rows[0] and "train_rollouts/rewards" not in rows[0]
+    assert "val/rewards" not in rows[1] and "val/rewards" in rows[2]
+    assert "train_optim/loss" not in rows[1] and "train_optim/loss" in rows[2]
+    assert rows[2]["critic/train_step"] > rows[1]["critic/train_step"] > 0
+    assert rows[1]["train_rollouts/kl_coef"] == 0.01 and rows[2]["train_rollouts/kl_coef"] != 0.01
+    # the torch backend generates with the trained policy itself: its weights are 1 up to float error
+    assert abs(rows[2]["train_optim/is_weight_mean"] - 1.0) < 1e-3
