@@ -228,6 +228,7 @@ class ActorConfig(StrictModel):
     run_dir: str = Field("runs/ppo", description="metrics.jsonl, TensorBoard events, reward_curve.png and checkpoints go here.")
     host: str = Field("127.0.0.1", description="Interface of the actor's REST endpoints.")
     http_port: int = Field(8000, ge=0, le=65535, description="REST port for /health, /ready, /metrics; 0 disables.")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads of the actor (its thread budget when the servers share the machine's cores); 0: torch's default, one per core.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)

@@ -56,6 +56,9 @@ def summarize(run_dir: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default=str(ROOT / "configs" / "ppo.yaml"))
+    parser.add_argument("--thread-budget", choices=["auto", "none"], default="auto",
+                        help="auto: one torch thread per server, the other cores to the actor (they share this "
+                             "machine); none: torch's default in every process (each takes every core)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="passed to the actor")
     args = parser.parse_args(argv)
 
@@ -82,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         servers["critic"] = [sys.executable, "-m", "critic_server", "--port", str(ports["critic"][0]),
                              "--http-port", str(ports["critic"][1]),
                              "--checkpoint-dir", str(run_dir / "checkpoints" / "critic")]
+    actor_threads = []
+    if args.thread_budget == "auto":  # processes that oversubscribe the cores run several times slower
+        for cmd in servers.values():
+            cmd.append("num_threads=1")
+        actor_threads = [f"num_threads={max(1, len(os.sched_getaffinity(0)) - len(servers))}"]
     else:
         print(f"ppo.adv_estimator.name={cfg.ppo.adv_estimator.name} needs no critic: no critic server started")
     procs: dict[str, subprocess.Popen] = {}
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(name, proc, f"http://127.0.0.1:{ports[name][1]}/ready", timeout=300)
         actor = [sys.executable, "-m", "actor", "--config", args.config, "--http-port", "0",
                  f"critic.address=127.0.0.1:{ports['critic'][0]}", f"reward.address=127.0.0.1:{ports['reward'][0]}",
-                 *args.overrides]
+                 *actor_threads, *args.overrides]
         print(f"starting actor: {' '.join(actor[1:])}", flush=True)
         code = subprocess.run(actor, check=False, cwd=ROOT, env=env).returncode
         if code != 0:

@@ -66,6 +66,8 @@ class PPOTrainer:
 
         p, pol, gen = cfg.ppo, cfg.policy, cfg.policy.generation
         torch.manual_seed(p.seed)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(pol.device)
         dtype = TORCH_DTYPES[pol.precision]
         policy_path = resolve_model(pol.model_name)

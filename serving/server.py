@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import torch
 import transformers
 import uvicorn
 from fastapi import FastAPI
@@ -59,6 +60,8 @@ class ServerConfig(StrictModel):
     max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB (512 x 4096 tokens fit).")
     grace_period_s: float = Field(30.0, ge=0, description="How long in-flight work may take after SIGTERM.")
     device: str = Field("auto", description="torch device for the model: auto (cuda if available), cpu, cuda, cuda:N.")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads of this process (its thread budget when services "
+                             "share a machine's cores); 0: torch's default, one per core.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
 
 
@@ -189,6 +192,8 @@ class Service:
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT; returns the process exit code."""
         cfg = self.cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         exit_code = 0

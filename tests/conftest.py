@@ -9,6 +9,10 @@ import pytest
 
 from tests.service_procs import ROOT
 
+# Every process of the suite (servers, actors, pytest itself) shares the machine's cores: one torch thread each,
+# read by torch when it starts. Oversubscribed cores make these tiny models many times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def embedded_cache() -> Path:
