@@ -162,6 +162,10 @@ def test_grpo_runs_without_any_critic_server(reward, tmp_path):
     rows = metrics(tmp_path / "run")
     assert not any(k.startswith("critic/") for r in rows for k in r)
     assert all(r["train_rollouts/rollout_size"] == 32 and r["train_rollouts/num_groups"] == 8 for r in rows)
+    # overlong_filtering (on by default): responses cut off at max_new_tokens get no policy gradient
+    for r in rows:
+        ended = r["train_rollouts/fraction_of_samples_properly_ended"]
+        assert (r["train_rollouts/loss_tokens_fraction"] < 1.0) == (ended < 1.0), r
 
 
 def test_dynamic_sampling_keeps_whole_groups(reward, tmp_path):
@@ -171,6 +175,7 @@ def test_dynamic_sampling_keeps_whole_groups(reward, tmp_path):
     for r in metrics(tmp_path / "run"):
         assert r["train_rollouts/rollout_size"] == 32 and r["train_rollouts/num_groups"] == 8
         assert r["train_rollouts/dynamic_sampling_gen_batches"] >= 1
+        assert r["train_rollouts/loss_tokens_fraction"] == 1.0  # dapo.yaml: overlong_filtering false
 
 
 def test_dynamic_sampling_fails_clearly_at_its_limit(embedded_cache, labelled_prompts, log_dir, tmp_path):
