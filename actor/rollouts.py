@@ -156,7 +156,8 @@ class RolloutCollector:
         rows = [p for p in prompts for _ in range(generations)]
         group_ids = torch.arange(self._next_group, self._next_group + len(prompts)).repeat_interleave(generations)
         self._next_group += len(prompts)
-        labels = None if any(p.label is None for p in prompts) else [p.label for p in rows]
+        # one label per sample whenever the data has any (a missing one is null), none otherwise
+        labels = [p.label for p in rows] if any(p.label is not None for p in prompts) else None
         step = batch_size or self.generation_batch_size
         parts = []
         for i in range(0, len(rows), step):
