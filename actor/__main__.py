@@ -6,6 +6,7 @@ import logging
 import sys
 
 from serving.config import parse_cli
+from serving.security import SecurityError
 
 from .advantages import MissingRewardComponents
 from .clients import IncompatibleServer, RemoteError
@@ -17,6 +18,7 @@ FLAGS = {
     "--http-port": ("http_port", "REST port for /health, /ready, /metrics (0 disables)"),
     "--host": ("host", "interface of the REST endpoints"),
     "--run-dir": ("run_dir", "where metrics, TensorBoard events and checkpoints go"),
+    "--auth-token-file": ("auth_token_file", "file holding the servers' bearer token (else $PPO_SERVICES_AUTH_TOKEN)"),
 }
 
 
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (RemoteError, IncompatibleServer, DataError) as e:
+    except (RemoteError, IncompatibleServer, DataError, SecurityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

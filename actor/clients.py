@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +18,7 @@ import torch
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
+from serving.security import BearerClientInterceptor, read_pem
 from serving.server import grpc_options
 
 from .config import RemoteConfig, RewardConfig
@@ -57,9 +59,20 @@ class Pending(Generic[T]):
         return Pending(self._call, lambda reply: convert(self._convert(reply)), self._what)
 
 
-def open_channel(name: str, cfg: RemoteConfig) -> grpc.Channel:
-    """Connect, waiting up to connect_timeout_s; a wrong address fails with a message that says so."""
-    channel = grpc.insecure_channel(cfg.address, options=grpc_options(cfg.max_message_mb))
+def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
+    """Connect (TLS when a CA or client certificate is configured; the bearer token on every call), waiting up
+    to connect_timeout_s; a wrong address fails with a message that says so."""
+    options = grpc_options(cfg.max_message_mb)
+    if cfg.tls_ca_file or cfg.tls_cert_file:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read_pem(cfg.tls_ca_file, f"{name}.tls_ca_file"),
+            private_key=read_pem(cfg.tls_key_file, f"{name}.tls_key_file"),
+            certificate_chain=read_pem(cfg.tls_cert_file, f"{name}.tls_cert_file"))
+        channel = grpc.secure_channel(cfg.address, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(cfg.address, options=options)
+    if token:
+        channel = grpc.intercept_channel(channel, BearerClientInterceptor(token))
     try:
         grpc.channel_ready_future(channel).result(timeout=cfg.connect_timeout_s)
     except grpc.FutureTimeoutError:
@@ -106,9 +119,9 @@ class TrainResult:
 
 
 class CriticClient:
-    def __init__(self, cfg: RemoteConfig):
+    def __init__(self, cfg: RemoteConfig, token: str | None = None):
         self.cfg = cfg
-        self.channel = open_channel("critic", cfg)
+        self.channel = open_channel("critic", cfg, token)
         self.stub = critic_pb2_grpc.CriticServiceStub(self.channel)
         self.what = f"critic server {cfg.address}"
 
@@ -144,9 +157,9 @@ class CriticClient:
 
 
 class RewardClient:
-    def __init__(self, cfg: RemoteConfig):
+    def __init__(self, cfg: RemoteConfig, token: str | None = None):
         self.cfg = cfg
-        self.channel = open_channel("reward", cfg)
+        self.channel = open_channel("reward", cfg, token)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.what = f"reward server {cfg.address}"
 
@@ -185,10 +198,14 @@ class OpenRLHFRewardClient:
     working; a request that cannot connect is retried with backoff (`reward.retries`), each within
     `reward.timeout_s`."""
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, token: str | None = None):
         assert cfg.url is not None
         self.cfg, self.url = cfg, cfg.url
-        self.http = httpx.Client(timeout=cfg.timeout_s)
+        tls = ssl.create_default_context(cafile=cfg.tls_ca_file)
+        if cfg.tls_cert_file:
+            tls.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        self.http = httpx.Client(timeout=cfg.timeout_s, verify=tls,
+                                 headers={"Authorization": f"Bearer {token}"} if token else None)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="openrlhf-reward")
 
     def score_texts(self, texts: list[str], prompts: list[str], labels: list[Any] | None = None) -> Pending[Scores]:

@@ -25,6 +25,15 @@ class RemoteConfig(StrictModel):
     connect_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start-up for the server to answer and to be ready (its model loaded).")
     timeout_s: float = Field(600.0, gt=0, description="Deadline of each call.")
     max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB.")
+    tls_ca_file: str | None = Field(None, description="PEM CA bundle: connect over TLS and verify the server's certificate with it.")
+    tls_cert_file: str | None = Field(None, description="PEM client certificate for mutual TLS (with tls_key_file).")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> RemoteConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: set both or neither")
+        return self
 
 
 class RewardConfig(RemoteConfig):
@@ -228,6 +237,7 @@ class ActorConfig(StrictModel):
     run_dir: str = Field("runs/ppo", description="metrics.jsonl, TensorBoard events, reward_curve.png and checkpoints go here.")
     host: str = Field("127.0.0.1", description="Interface of the actor's REST endpoints.")
     http_port: int = Field(8000, ge=0, le=65535, description="REST port for /health, /ready, /metrics; 0 disables.")
+    auth_token_file: str | None = Field(None, description="File holding the bearer token the servers require (the environment variable PPO_SERVICES_AUTH_TOKEN is read when this is unset); sent on every call.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads of the actor (its thread budget when the servers share the machine's cores); 0: torch's default, one per core.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)

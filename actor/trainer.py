@@ -38,6 +38,7 @@ from serving.modeling import (
     vocab_sha256,
 )
 from serving.rest import add_ops_routes, start_ops_thread
+from serving.security import load_token
 
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .clients import CriticClient, IncompatibleServer, OpenRLHFRewardClient, RewardClient, check_compatible
@@ -92,9 +93,10 @@ class PPOTrainer:
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 
+        self.token = load_token(cfg.auth_token_file, "auth_token_file")
         self.critic = None
         if cfg.needs_critic:
-            self.critic = CriticClient(cfg.critic)
+            self.critic = CriticClient(cfg.critic, self.token)
         else:
             log.info("ppo.adv_estimator.name=%s needs no critic values: no critic server is used", p.adv_estimator.name)
         self.reward: RewardClient | OpenRLHFRewardClient | None = None
@@ -129,10 +131,10 @@ class PPOTrainer:
             self._require_components(())
             return None
         if cfg.reward.source == "openrlhf":
-            self.reward = OpenRLHFRewardClient(cfg.reward)
+            self.reward = OpenRLHFRewardClient(cfg.reward, self.token)
             log.info("rewards from %s (OpenRLHF protocol), texts%s", cfg.reward.url, " and labels" if labelled else "")
             return text_scorer(self.reward, self.tokenizer)
-        self.reward = RewardClient(cfg.reward)
+        self.reward = RewardClient(cfg.reward, self.token)
         info = self.reward.info()
         if info.needs_labels:
             why_labels = f"the reward server's scorer ({info.model}) compares every response with its prompt's label"

@@ -1,6 +1,7 @@
 """`python -m critic_server [--port 5555] [--model PATH] [--config FILE] [key=value ...]`."""
 
 from serving.config import parse_cli
+from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
 from serving.server import run_service
 
 from .config import CriticConfig
@@ -14,11 +15,12 @@ FLAGS = {
     "--reward-model": ("reward_model", "combined mode: also serve this reward model"),
     "--checkpoint-dir": ("checkpoint_dir", "where Save writes checkpoints"),
     "--device": ("device", "auto, cpu, cuda, cuda:N"),
+    **SECURITY_FLAGS,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS)
+    cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS, SECURITY_SWITCHES)
     run_service(CriticService(cfg))
 
 

@@ -38,5 +38,12 @@ class CriticConfig(ServerConfig):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
     checkpoint_dir: str = Field("checkpoints/critic", description="Where Save writes <checkpoint_dir>/<tag>.")
+    keep_last: int = Field(
+        0,
+        ge=0,
+        description="Checkpoints to keep: 0 keeps every one; N > 0 keeps the N most recently written (by the saved_at "
+        "in their critic_state.json) and, after each successful Save, deletes this server's older ones and its "
+        "leftover .tmp-* directories. Directories without a critic_state.json are never deleted.",
+    )
     seed: int = Field(1234, description="Seed for the value head's initialisation when the checkpoint has none.")
     train: CriticTrainConfig = Field(default_factory=CriticTrainConfig)

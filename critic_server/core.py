@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,9 @@ from .config import CriticConfig
 
 log = logging.getLogger(__name__)
 
-_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch): ASCII only, no '/'
+TAG_RULE = "1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
+TMP_PREFIX = ".tmp-"  # cannot collide with a tag, which never starts with '.'
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
 
@@ -71,7 +75,7 @@ class CriticCore:
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         if (Path(path) / OPTIMIZER_FILE).is_file():  # resuming from one of our own checkpoints
-            self.optimizer.load_state_dict(torch.load(Path(path) / OPTIMIZER_FILE, map_location=self.device))
+            self.optimizer.load_state_dict(load_optimizer_state(Path(path) / OPTIMIZER_FILE, self.device))
             for group in self.optimizer.param_groups:  # the moments resume; the configured hyperparameters win
                 group.update(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
             self.train_step = json.loads((Path(path) / STATE_FILE).read_text())["train_step"]
@@ -216,26 +220,95 @@ class CriticCore:
 
     # --- checkpoints ----------------------------------------------------------------------------
     def validate_tag(self, tag: str) -> str:
-        if not _TAG.match(tag):
-            raise InvalidArgument(f"tag: expected 1-128 characters of letters, digits, '.', '_', '-' "
-                                  f"(not starting with '.' or '-'), got {tag!r}")
+        """The tag, if <checkpoint_dir>/<tag> is a directory directly inside checkpoint_dir; else InvalidArgument."""
+        checkpoint_path(Path(self.cfg.checkpoint_dir), tag)
         return tag
 
     def save(self, tag: str) -> tuple[str, int]:
-        """Write <checkpoint_dir>/<tag> atomically (temp dir, then rename): HF weights + tokenizer +
-        optimizer state + train step. Returns (path, train_step)."""
+        """Write <checkpoint_dir>/<tag> atomically (temp dir, then rename): safetensors weights + tokenizer +
+        optimizer state + critic_state.json (train step, write time). Then, with keep_last > 0, delete this
+        server's older checkpoints beyond the newest keep_last. Returns (path, train_step)."""
+        started = time.time()
         root = Path(self.cfg.checkpoint_dir)
         root.mkdir(parents=True, exist_ok=True)
-        final, tmp = root / tag, root / f".tmp-{tag}"
+        final = checkpoint_path(root, tag)  # checked again here: the directory may have changed since the request
+        if final.exists() and not (final / STATE_FILE).is_file():
+            raise InvalidArgument(f"tag: {final} exists and is not a critic checkpoint (no {STATE_FILE}); "
+                                  f"choose another tag")
+        tmp = root / f"{TMP_PREFIX}{tag}"
+        if tmp.is_symlink():  # never write through a link planted in the checkpoint directory
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
+        # transformers >= 5 writes model.safetensors only (its safe_serialization flag is gone): no pickle.
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
-        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({"train_step": self.train_step, "model": self.cfg.model}))
+        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)  # plain tensors and numbers: weights_only loads it
+        state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model}
+        (tmp / STATE_FILE).write_text(json.dumps(state))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        if self.cfg.keep_last > 0:
+            prune_checkpoints(root, self.cfg.keep_last, final, started)
         return str(final.resolve()), self.train_step
+
+
+def checkpoint_path(root: Path, tag: str) -> Path:
+    """<root>/<tag> for a valid tag whose resolved path lies directly in root; else InvalidArgument naming `tag`."""
+    if not _TAG.fullmatch(tag) or tag in (".", ".."):
+        shown = repr(tag) if len(tag) <= 64 else f"{tag[:64]!r}... ({len(tag)} characters)"
+        raise InvalidArgument(f"tag: expected {TAG_RULE}, got {shown}")
+    final = root / tag
+    if final.is_symlink() or final.resolve().parent != root.resolve():  # a link planted in checkpoint_dir
+        raise InvalidArgument(f"tag: {tag!r} would write outside checkpoint_dir {root} (is {final} a link?)")
+    return final
+
+
+def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float) -> None:
+    """Delete this server's checkpoints in root beyond the keep_last most recently written (by the saved_at
+    recorded in their critic_state.json; `current` is always kept), and temp directories left by Saves that
+    started before `started`. Directories without a readable critic_state.json are never touched. A failure
+    to delete is logged, not raised: the checkpoint just written is complete."""
+    ours: list[tuple[float, str, Path]] = []
+    stale: list[Path] = []
+    for entry in root.iterdir():
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        if entry.name.startswith(TMP_PREFIX):
+            if entry.stat().st_mtime < started:
+                stale.append(entry)
+        elif entry != current and (saved_at := _saved_at(entry)) is not None:
+            ours.append((saved_at, entry.name, entry))
+    ours.sort(reverse=True)
+    for path in stale + [p for _, _, p in ours[keep_last - 1:]]:
+        try:
+            shutil.rmtree(path)
+            log.info("removed %s (keep_last=%d)", path, keep_last)
+        except OSError as e:
+            log.warning("could not remove old checkpoint %s: %s", path, e)
+
+
+def _saved_at(directory: Path) -> float | None:
+    """The write time a checkpoint of this server recorded, or None if the directory is not one."""
+    try:
+        saved_at = json.loads((directory / STATE_FILE).read_text())["saved_at"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ok = isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool) and math.isfinite(saved_at)
+    return float(saved_at) if ok else None
+
+
+def load_optimizer_state(file: Path, device: torch.device) -> dict:
+    """An optimizer state_dict saved by Save. Loaded with weights_only=True (explicitly, whatever torch's
+    default): tensors, numbers and containers only, so a crafted file cannot run code while unpickling."""
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["refused"]
+        reason = next((line for line in lines if "Unsupported global" in line), lines[0])  # torch's is a page long
+        raise RuntimeError(f"{file}: the optimizer state cannot be loaded with torch.load(weights_only=True), which "
+                           f"refuses anything but tensors and plain containers ({reason}); a critic server's Save "
+                           f"never writes such a file: delete it to start with a fresh optimizer") from e
 
 
 def _check_setting(value: float, field: str, allow_zero: bool) -> float:

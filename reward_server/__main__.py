@@ -1,6 +1,7 @@
 """`python -m reward_server [--port 5556] [--model PATH | --scorer NAME] [--config FILE] [key=value ...]`."""
 
 from serving.config import parse_cli
+from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
 from serving.server import run_service
 
 from .config import RewardConfig
@@ -13,11 +14,13 @@ FLAGS = {
     "--model": ("model", "reward model checkpoint: path, hub id or embedded:reward"),
     "--scorer": ("scorer", f"rule-based scorer instead of a model: {', '.join(SCORERS)}"),
     "--device": ("device", "auto, cpu, cuda, cuda:N"),
+    **SECURITY_FLAGS,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_cli(RewardConfig, argv, "PPO reward server (rewards over gRPC and POST /get_reward).", FLAGS)
+    cfg = parse_cli(RewardConfig, argv, "PPO reward server (rewards over gRPC and POST /get_reward).", FLAGS,
+                    SECURITY_SWITCHES)
     from .servicer import RewardService  # torch and transformers load only after the config is valid
 
     run_service(RewardService(cfg))

@@ -89,14 +89,19 @@ def load_config(model: type[Cfg], path: str | Path | None = None, overrides: lis
 
 
 def parse_cli(
-    model: type[Cfg], argv: list[str] | None, description: str, flags: dict[str, tuple[str, str]]
+    model: type[Cfg], argv: list[str] | None, description: str, flags: dict[str, tuple[str, str]],
+    switches: frozenset[str] = frozenset(),
 ) -> Cfg:
     """Command line of a service: `--config FILE`, the flags in `flags` (`--port` -> config key `port`,
     with help text), and trailing dotted `key=value` overrides. Exits with status 2 on a config error."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML config file; every key is documented in the README")
     for flag, (key, help_text) in flags.items():
-        parser.add_argument(flag, dest=key.replace(".", "__"), default=None, help=f"{help_text} (config key `{key}`)")
+        if key in switches:  # a flag without a value sets its boolean key
+            parser.add_argument(flag, dest=key.replace(".", "__"), action="store_const", const="true", default=None,
+                                help=f"{help_text} (config key `{key}`)")
+        else:
+            parser.add_argument(flag, dest=key.replace(".", "__"), default=None, help=f"{help_text} (config key `{key}`)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. ppo.gamma=0.99")
     args = parser.parse_args(argv)
     overrides = [f"{key}={v}" for key, _ in flags.values() if (v := getattr(args, key.replace(".", "__"))) is not None]

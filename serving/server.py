@@ -37,6 +37,15 @@ from .config import StrictModel
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
 from .rest import QuietUvicorn, add_ops_routes
+from .security import (
+    AuthInterceptor,
+    SecurityConfig,
+    SecurityError,
+    add_rest_auth,
+    check_exposure,
+    load_token,
+    server_credentials,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +60,8 @@ class BatchingConfig(StrictModel):
     max_queue_size: int = Field(1024, ge=1, description="Queued requests beyond which new ones get RESOURCE_EXHAUSTED.")
 
 
-class ServerConfig(StrictModel):
-    """Network and lifecycle settings every server shares."""
+class ServerConfig(SecurityConfig):
+    """Network, security and lifecycle settings every server shares."""
 
     host: str = Field("127.0.0.1", description="Interface to listen on; containers pass 0.0.0.0.")
     port: int = Field(..., ge=0, le=65535, description="gRPC port.")
@@ -200,8 +209,18 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
+        try:
+            token = load_token(cfg.auth_token_file)
+            check_exposure(cfg.host, token, cfg)
+            credentials = server_credentials(cfg)
+        except SecurityError as e:
+            log.error("%s: %s", self.name, e)
+            return 2
+        if token:
+            add_rest_auth(self.app, token, self.metrics)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
-        server = grpc.aio.server(options=[*grpc_options(cfg.max_message_mb), ("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
+                                 options=[*grpc_options(cfg.max_message_mb), ("grpc.so_reuseport", 0)])
         names = self.add_servicers(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -209,7 +228,8 @@ class Service:
         for n in ["", *names]:
             await health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
-            bound = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            address = f"{cfg.host}:{cfg.port}"
+            bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         except RuntimeError:
             bound = 0
         if bound == 0:
@@ -218,9 +238,10 @@ class Service:
         await server.start()
 
         http = QuietUvicorn(uvicorn.Config(self.app, host=cfg.host, port=cfg.http_port, log_level="warning",
-                                           lifespan="off"))
+                                           lifespan="off", ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file))
         http_task = asyncio.create_task(http.serve())
-        log.info("%s listening: gRPC %s:%d, HTTP %s:%d", self.name, cfg.host, bound, cfg.host, cfg.http_port)
+        log.info("%s listening: gRPC%s %s:%d, HTTP%s %s:%d%s", self.name, " (TLS)" if credentials else "", cfg.host,
+                 bound, "S" if credentials else "", cfg.host, cfg.http_port, ", bearer token required" if token else "")
 
         load = self._load_in_background(loop)
         stop_task = asyncio.create_task(stop.wait())

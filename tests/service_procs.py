@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -42,7 +43,8 @@ class ServiceProcess:
     """A service started as `python -m ...`; waits for /ready, stops with SIGTERM."""
 
     def __init__(self, name: str, *extra: str, log_dir: Path, env: dict[str, str] | None = None,
-                 grpc_port: int | None = None, http_port: int | None = None):
+                 grpc_port: int | None = None, http_port: int | None = None, ready_scheme: str = "http",
+                 ready_verify: str | bool = True):
         self.name = name
         self.grpc_port = (grpc_port or free_port()) if PORTS[name][0] is not None else None
         self.http_port = http_port or free_port()
@@ -50,6 +52,7 @@ class ServiceProcess:
         self.log_path = log_dir / f"{name}-{self.http_port}.log"
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc: subprocess.Popen | None = None
+        self.scheme, self.verify = ready_scheme, ready_verify  # https + a CA bundle for a server with TLS
 
     @property
     def address(self) -> str:
@@ -57,7 +60,7 @@ class ServiceProcess:
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{self.scheme}://127.0.0.1:{self.http_port}"
 
     def start(self, ready_timeout: float = 180.0) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,13 +71,17 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.http}/ready", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.http}/ready", timeout=1.0, verify=self.tls_context()).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"{self.name} not ready after {ready_timeout}s:\n{self.log()}")
+
+    def tls_context(self) -> ssl.SSLContext | bool:
+        """What httpx verifies this server's HTTPS with: the CA bundle given as ready_verify, or the default."""
+        return ssl.create_default_context(cafile=self.verify) if isinstance(self.verify, str) else self.verify
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

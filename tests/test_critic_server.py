@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -147,6 +152,86 @@ def test_save_writes_a_checkpoint_transformers_loads(critic, stub):
     torch.testing.assert_close(infer(stub, tokens, lengths), local, atol=1e-5, rtol=1e-5)
     assert (critic.ckpt / "step_7" / "optimizer.pt").is_file()
     assert not list(critic.ckpt.glob(".tmp-*"))
+    assert (critic.ckpt / "step_7" / "model.safetensors").is_file()  # weights without pickle
+    assert not [p.name for p in (critic.ckpt / "step_7").iterdir() if p.suffix in (".bin", ".pkl", ".pickle")]
+    state = json.loads((critic.ckpt / "step_7" / "critic_state.json").read_text())
+    assert state["train_step"] == reply.train_step and isinstance(state["saved_at"], float)
+
+
+def _tree(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("tag", ["step_1\n", "../x", "a/b", "..", ".", ".hidden", ".tmp-x", "", "x" * 129, "a\x00b",
+                                 "schritt_ü", "步骤", "/abs", "x" * 100_000],
+                         ids=["trailing-newline", "parent", "slash", "dotdot", "dot", "hidden", "tmp-prefix", "empty",
+                              "129-chars", "nul", "umlaut", "cjk", "absolute", "huge"])
+def test_save_refuses_tags_that_are_not_one_plain_name_and_writes_nothing(critic, stub, tag):
+    before = _tree(critic.ckpt.parent)
+    details = expect_invalid(stub.Save, critic_pb2.SaveRequest(tag=tag), "tag", "ASCII letters, digits")
+    assert details.startswith("tag:") and len(details) < 300
+    assert _tree(critic.ckpt.parent) == before
+
+
+def test_save_does_not_follow_links_or_replace_foreign_directories(critic, stub, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (critic.ckpt / "linked").symlink_to(outside, target_is_directory=True)
+    (critic.ckpt / ".tmp-planted").symlink_to(outside, target_is_directory=True)
+    (critic.ckpt / "notes").mkdir()
+    (critic.ckpt / "notes" / "keep.txt").write_text("mine")
+    try:
+        expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="linked"), "tag", "outside checkpoint_dir")
+        expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="notes"), "tag", "not a critic checkpoint")
+        reply = stub.Save(critic_pb2.SaveRequest(tag="planted"), timeout=120)  # its temp dir name was a link
+        assert reply.path == str((critic.ckpt / "planted").resolve())
+        assert (critic.ckpt / "planted" / "model.safetensors").is_file() and not (critic.ckpt / ".tmp-planted").exists()
+        assert list(outside.iterdir()) == []
+        assert (critic.ckpt / "notes" / "keep.txt").read_text() == "mine"
+    finally:
+        for name in ("linked", ".tmp-planted"):
+            if (critic.ckpt / name).is_symlink():
+                (critic.ckpt / name).unlink()
+        shutil.rmtree(critic.ckpt / "notes")
+
+
+def test_keep_last_keeps_the_newest_checkpoints_and_nothing_it_did_not_write(embedded_cache, log_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "notes").mkdir(parents=True)  # a foreign directory
+    (ckpt / "notes" / "keep.txt").write_text("mine")
+    (ckpt / "legacy").mkdir()  # a state file without saved_at: not ordered, so never deleted
+    (ckpt / "legacy" / "critic_state.json").write_text(json.dumps({"train_step": 3}))
+    (ckpt / ".tmp-crashed").mkdir()  # what a Save interrupted before its rename leaves
+    (ckpt / ".tmp-crashed" / "config.json").write_text("{}")
+    os.utime(ckpt / ".tmp-crashed", (time.time() - 3600, time.time() - 3600))
+    tags = ["d-first", "c-second", "b-third", "a-fourth"]  # name order is the reverse of write order
+    with ServiceProcess("critic", "--checkpoint-dir", str(ckpt), "keep_last=2", log_dir=log_dir) as proc:
+        ch = channel(proc.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        tokens, _ = batch(15)
+        for tag in tags:
+            stub.Train(train_request(tokens, 1.0), timeout=120)
+            stub.Save(critic_pb2.SaveRequest(tag=tag), timeout=120)
+        ch.close()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["a-fourth", "b-third", "legacy", "notes"]
+    assert (ckpt / "notes" / "keep.txt").read_text() == "mine"
+    states = [json.loads((ckpt / t / "critic_state.json").read_text()) for t in ("b-third", "a-fourth")]
+    assert [s["train_step"] for s in states] == [3, 4] and states[0]["saved_at"] < states[1]["saved_at"]
+
+
+def test_an_optimizer_state_that_needs_pickle_stops_the_critic_with_the_file_named(stub, tmp_path):
+    saved = Path(stub.Save(critic_pb2.SaveRequest(tag="to-tamper"), timeout=120).path)
+    tampered = tmp_path / "tampered"
+    shutil.copytree(saved, tampered)
+    # Any global outside torch's weights_only allowlist would run arbitrary code under a full unpickle.
+    torch.save({"state": {}, "param_groups": [], "extra": argparse.Namespace(x=1)}, tampered / "optimizer.pt")
+    result = subprocess.run([sys.executable, "-m", "critic_server", "--port", "0", "--http-port", "0",
+                             "--model", str(tampered)], check=False, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    assert "critic cannot load its model" in result.stderr
+    assert str(tampered / "optimizer.pt") in result.stderr and "weights_only=True" in result.stderr
+    assert "argparse.Namespace" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from tests.service_procs import PORTS, ROOT, service_args
 SERVICES = ["critic", "reward", "actor"]
 # What a container adds to the tests' command line, and what a test therefore strips before comparing:
 # flags with a value, and dotted `key=value` config overrides.
-DEPLOY_FLAGS = {"--host", "--checkpoint-dir", "--config"}
+DEPLOY_FLAGS = {"--host", "--checkpoint-dir", "--config", "--auth-token-file"}
 
 
 def load_yaml(path: Path) -> object:
@@ -125,6 +125,18 @@ def test_compose_volumes_and_image(compose):
         assert build["dockerfile"] == "deploy/Dockerfile"
 
 
+def test_compose_services_authenticate_with_one_generated_token(compose):
+    """Listening on 0.0.0.0 needs a token: one service makes it, the others read it from the shared volume."""
+    maker = compose["services"]["auth-token"]
+    assert "/secrets/auth_token" in " ".join(maker["command"]) and "secrets.token_hex" in " ".join(maker["command"])
+    for name in SERVICES:
+        svc = compose["services"][name]
+        assert flag_value(svc["command"], "--auth-token-file") == "/secrets/auth_token", name
+        assert "secrets:/secrets" in svc["volumes"]
+    for name in ("critic", "reward"):
+        assert compose["services"][name]["depends_on"]["auth-token"] == {"condition": "service_completed_successfully"}
+
+
 def test_compose_prometheus_is_opt_in(compose):
     prometheus = compose["services"]["prometheus"]
     assert prometheus["profiles"] == ["monitoring"]
@@ -204,6 +216,30 @@ def test_k8s_command_matches_compose(k8s, compose, name):
             return [x for x in a if not x.startswith("num_threads=")]
 
         assert without_threads(argv) == without_threads(compose_argv)
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_k8s_services_read_the_token_from_a_secret(k8s, name):
+    container = main_container(k8s, name)
+    assert flag_value(container["args"], "--auth-token-file") == "/secrets/auth_token"
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["auth"]["mountPath"] == "/secrets" and mounts["auth"]["readOnly"]
+    (volume,) = [v for v in pod_spec(k8s, name)["volumes"] if v["name"] == "auth"]
+    assert volume["secret"]["secretName"] == "ppo-services-auth"
+    assert volume["secret"]["items"] == [{"key": "token", "path": "auth_token"}]
+
+
+@pytest.mark.parametrize("name", ["critic", "reward"])
+def test_k8s_network_policy_lets_only_the_actor_reach_grpc(k8s, name):
+    policy = k8s[("NetworkPolicy", name)]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_template_labels(k8s, name).items()
+    grpc_port, http_port = PORTS[name]
+    by_port = {rule["ports"][0]["port"]: rule for rule in policy["ingress"]}
+    assert set(by_port) == {grpc_port, http_port}
+    (source,) = by_port[grpc_port]["from"]
+    actor_labels = k8s[("Job", "actor")]["spec"]["template"]["metadata"]["labels"]
+    assert source["podSelector"]["matchLabels"].items() <= actor_labels.items()
+    assert "from" not in by_port[http_port]  # probes and Prometheus
 
 
 def test_k8s_thread_budgets_match_the_cpu_requests(k8s):

@@ -1,0 +1,173 @@
+"""Who may talk to a server: a shared bearer token on every gRPC method and REST route except the probes
+(gRPC health and reflection, /health, /ready, /metrics), TLS or mutual TLS, and a refusal to listen beyond
+loopback with neither.
+
+The token comes from `auth_token_file` or the environment variable PPO_SERVICES_AUTH_TOKEN; clients send
+`authorization: Bearer <token>`. Comparisons take constant time. A refused call is UNAUTHENTICATED (gRPC) or
+401 (REST), and is counted in the request metrics like any other.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from collections import namedtuple
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from .config import StrictModel
+from .metrics import ServiceMetrics
+
+TOKEN_ENV = "PPO_SERVICES_AUTH_TOKEN"
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1.ServerReflection/",
+                      "/grpc.reflection.v1alpha.ServerReflection/")
+OPEN_REST_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class SecurityConfig(StrictModel):
+    """Authentication and transport security of a server."""
+
+    auth_token_file: str | None = Field(
+        None, description=f"File holding the shared bearer token every call must carry (the environment variable "
+        f"{TOKEN_ENV} is read when this is unset); probes (gRPC health and reflection, /health, /ready, /metrics) "
+        "stay open.")
+    allow_insecure: bool = Field(False, description="Listen on a non-loopback host with no token and no TLS anyway.")
+    tls_cert_file: str | None = Field(None, description="PEM certificate chain: serve gRPC and REST over TLS.")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: str | None = Field(
+        None, description="PEM CA bundle: gRPC clients must present a certificate it signed (mutual TLS). REST "
+        "stays server-authenticated only, so probes need no client certificate.")
+
+
+# command-line shorthands every server takes; `--allow-insecure` is a switch
+SECURITY_FLAGS = {
+    "--auth-token-file": ("auth_token_file", f"file holding the bearer token clients must send (else ${TOKEN_ENV})"),
+    "--allow-insecure": ("allow_insecure", "listen beyond loopback without a token or TLS anyway"),
+    "--tls-cert-file": ("tls_cert_file", "PEM certificate chain: serve over TLS"),
+    "--tls-key-file": ("tls_key_file", "PEM private key of the certificate"),
+    "--tls-client-ca-file": ("tls_client_ca_file", "PEM CA: gRPC clients must present a certificate it signed"),
+}
+SECURITY_SWITCHES = frozenset({"allow_insecure"})
+
+
+class SecurityError(ValueError):
+    """The security settings cannot be used; the message names the key."""
+
+
+def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
+    """The token from `path`, else from PPO_SERVICES_AUTH_TOKEN, else None. Surrounding whitespace is dropped."""
+    if path:
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise SecurityError(f"{key}: cannot read {path}: {e.strerror}") from None
+        if not token:
+            raise SecurityError(f"{key}: {path} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+def read_pem(path: str | None, key: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SecurityError(f"{key}: cannot read {path}: {e.strerror}") from None
+
+
+def bearer_matches(header: str | None, token: str) -> bool:
+    """True when `header` is `Bearer <token>`; constant time in the token."""
+    presented = (header or "").removeprefix("Bearer ").strip()
+    return hmac.compare_digest(presented.encode(), token.encode())
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, token: str | None, cfg: SecurityConfig) -> None:
+    """Refuse a non-loopback listener with neither a token nor TLS, unless allow_insecure."""
+    if is_loopback(host) or token or cfg.tls_cert_file or cfg.allow_insecure:
+        return
+    raise SecurityError(
+        f"refusing to listen on {host} with no authentication: set auth_token_file (--auth-token-file) or "
+        f"{TOKEN_ENV}, or tls_cert_file/tls_key_file, or pass --allow-insecure")
+
+
+def server_credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials for the gRPC port (mutual TLS with a client CA), or None for plaintext."""
+    if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
+        raise SecurityError("tls_cert_file and tls_key_file: set both or neither")
+    if cfg.tls_cert_file is None:
+        if cfg.tls_client_ca_file:
+            raise SecurityError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return None
+    key, cert = read_pem(cfg.tls_key_file, "tls_key_file"), read_pem(cfg.tls_cert_file, "tls_cert_file")
+    client_ca = read_pem(cfg.tls_client_ca_file, "tls_client_ca_file")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every method outside health and reflection needs the bearer token."""
+
+    def __init__(self, token: str, metrics: ServiceMetrics):
+        self.token, self.metrics = token, metrics
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
+        if details.method.startswith(OPEN_GRPC_PREFIXES):
+            return await continuation(details)
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        if isinstance(header, str) and bearer_matches(header, self.token):
+            return await continuation(details)
+        method = details.method.rsplit("/", 1)[-1]
+        why = "missing" if header is None else "wrong"
+
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            self.metrics.record_request(method, grpc.StatusCode.UNAUTHENTICATED.name)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{why} bearer token: send metadata 'authorization: Bearer <token>'")
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def add_rest_auth(app: FastAPI, token: str, metrics: ServiceMetrics) -> None:
+    """401 for a REST route other than the probes without `Authorization: Bearer <token>`."""
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        if request.url.path in OPEN_REST_PATHS or bearer_matches(request.headers.get("authorization"), token):
+            return await call_next(request)
+        metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)
+        return JSONResponse({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+class _CallDetails(namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                               "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class BearerClientInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every unary call of a client channel."""
+
+    def __init__(self, token: str):
+        self.metadata = ("authorization", f"Bearer {token}")
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = [*(details.metadata or ()), self.metadata]
+        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                         details.wait_for_ready, getattr(details, "compression", None)), request)

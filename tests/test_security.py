@@ -1,0 +1,182 @@
+"""Who may talk to the servers: the bearer token on every route, TLS and mutual TLS (certificates made here with
+openssl), and the refusal to listen beyond loopback unprotected. Real servers, real gRPC and HTTP."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2_grpc
+from serving.security import TOKEN_ENV
+from tests.service_procs import ROOT, ServiceProcess, free_port
+
+TOKEN = "s3cret-token-for-tests"
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificates")
+
+
+def openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], check=True, cwd=cwd, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by the CA."""
+    d = tmp_path_factory.mktemp("pki")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=test-ca", cwd=d)
+    for name, san in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", None)):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN={name}", cwd=d)
+        extra = []
+        if san:
+            (d / "san.ext").write_text(san + "\n")
+            extra = ["-extfile", "san.ext"]
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", *extra, cwd=d)
+    (d / "token").write_text(TOKEN + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def critic(embedded_cache, log_dir, pki, tmp_path_factory):
+    with ServiceProcess("critic", "--auth-token-file", str(pki / "token"), "--checkpoint-dir",
+                        str(tmp_path_factory.mktemp("ckpt")), log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reward_tls(embedded_cache, log_dir, pki):
+    """Token from the environment, TLS on both ports."""
+    with ServiceProcess("reward", "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key"),
+                        log_dir=log_dir, env={TOKEN_ENV: TOKEN}, ready_scheme="https", ready_verify=str(pki / "ca.pem")) as s:
+        yield s
+
+
+CRITIC_METHODS = [("Infer", critic_pb2.InferRequest()), ("Train", critic_pb2.TrainRequest()),
+                  ("Save", critic_pb2.SaveRequest(tag="x")), ("GetInfo", common_pb2.GetInfoRequest())]
+
+
+def call(channel: grpc.Channel, service: str, method: str, request, metadata=()) -> grpc.StatusCode:
+    rpc = channel.unary_unary(f"/ppo_services.v1.{service}/{method}", request_serializer=lambda m: m.SerializeToString(),
+                              response_deserializer=lambda b: b)
+    try:
+        rpc(request, timeout=30, metadata=metadata)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
+@pytest.mark.parametrize("method, request_", CRITIC_METHODS, ids=[m for m, _ in CRITIC_METHODS])
+def test_every_critic_method_needs_the_token(critic, method, request_):
+    with grpc.insecure_channel(critic.address) as ch:
+        assert call(ch, "CriticService", method, request_) == grpc.StatusCode.UNAUTHENTICATED
+        wrong = [("authorization", "Bearer not-the-token")]
+        assert call(ch, "CriticService", method, request_, wrong) == grpc.StatusCode.UNAUTHENTICATED
+        right = [("authorization", f"Bearer {TOKEN}")]
+        assert call(ch, "CriticService", method, request_, right) != grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_probes_stay_open_and_refusals_are_counted(critic):
+    with grpc.insecure_channel(critic.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        answers = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        names = {s.name for a in answers for s in a.list_services_response.service}
+        assert "ppo_services.v1.CriticService" in names
+        call(ch, "CriticService", "GetInfo", common_pb2.GetInfoRequest())
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{critic.http}{path}", timeout=10).status_code == 200, path
+    text = httpx.get(f"{critic.http}/metrics", timeout=10).text
+    assert 'ppo_critic_requests_total{code="UNAUTHENTICATED",method="GetInfo"}' in text
+
+
+def test_the_actor_sends_the_token(critic, pki):
+    from actor.clients import CriticClient
+    from actor.config import CriticConfig
+
+    client = CriticClient(CriticConfig(address=critic.address, connect_timeout_s=30), token=TOKEN)
+    assert client.info().vocab_size > 0
+    client.close()
+
+
+def test_tls_with_the_token_from_the_environment(reward_tls, pki):
+    creds = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes())
+    with grpc.secure_channel(reward_tls.address, creds) as ch:
+        stub = reward_pb2_grpc.RewardServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")])
+        assert info.model == "embedded:reward"
+    with grpc.insecure_channel(reward_tls.address) as ch:  # plaintext to a TLS port gets nowhere
+        assert call(ch, "RewardService", "GetInfo", common_pb2.GetInfoRequest(),
+                    [("authorization", f"Bearer {TOKEN}")]) == grpc.StatusCode.UNAVAILABLE
+    url = f"https://127.0.0.1:{reward_tls.http_port}"
+    body = {"query": ["river => good"], "prompts": ["river =>"]}
+    ca = reward_tls.tls_context()
+    assert httpx.post(f"{url}/get_reward", json=body, verify=ca, timeout=30).status_code == 401
+    assert httpx.post(f"{url}/get_reward", json=body, verify=ca, timeout=30,
+                      headers={"Authorization": "Bearer nope"}).status_code == 401
+    ok = httpx.post(f"{url}/get_reward", json=body, verify=ca, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and len(ok.json()["rewards"]) == 1
+    assert httpx.get(f"{url}/ready", verify=ca, timeout=10).status_code == 200
+    # the actor's OpenRLHF-protocol client: TLS verified with the CA, the token in its header
+    from actor.clients import OpenRLHFRewardClient
+    from actor.config import RewardConfig
+
+    cfg = RewardConfig(source="openrlhf", url=f"{url}/get_reward", tls_ca_file=str(pki / "ca.pem"))
+    client = OpenRLHFRewardClient(cfg, token=TOKEN)
+    rewards, _ = client.score_texts(["river => good"], ["river =>"]).result()
+    assert rewards.shape == (1,)
+    client.close()
+
+
+def test_mutual_tls_needs_a_client_certificate(embedded_cache, log_dir, pki):
+    with ServiceProcess("reward", "--scorer", "positive_fraction", "--tls-cert-file", str(pki / "server.pem"),
+                        "--tls-key-file", str(pki / "server.key"), "--tls-client-ca-file", str(pki / "ca.pem"),
+                        log_dir=log_dir, ready_scheme="https", ready_verify=str(pki / "ca.pem")) as server:
+        ca = (pki / "ca.pem").read_bytes()
+        without = grpc.ssl_channel_credentials(root_certificates=ca)
+        with grpc.secure_channel(server.address, without) as ch:
+            assert call(ch, "RewardService", "GetInfo", common_pb2.GetInfoRequest()) == grpc.StatusCode.UNAVAILABLE
+        from actor.clients import RewardClient
+        from actor.config import RewardConfig
+
+        client = RewardClient(RewardConfig(address=server.address, tls_ca_file=str(pki / "ca.pem"),
+                                           tls_cert_file=str(pki / "client.pem"), tls_key_file=str(pki / "client.key"),
+                                           connect_timeout_s=30))
+        assert client.info().model == "rule:positive_fraction"
+        client.close()
+
+
+def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache):
+    cmd = [sys.executable, "-m", "reward_server", "--host", "0.0.0.0", "--port", str(free_port()),
+           "--http-port", str(free_port()), "--scorer", "positive_fraction"]
+    env = {k: v for k, v in __import__("os").environ.items() if k != TOKEN_ENV}
+    result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert "refusing to listen on 0.0.0.0" in result.stderr and "--allow-insecure" in result.stderr
+
+
+def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache, log_dir, pki, tmp_path):
+    with ServiceProcess("reward", "--auth-token-file", str(pki / "token"), log_dir=log_dir) as server:
+        base = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"), "--http-port", "0",
+                f"reward.address={server.address}", f"critic.address=127.0.0.1:{free_port()}", "ppo.max_num_steps=1",
+                "ppo.num_prompts_per_step=4", "policy.train_global_batch_size=16", "checkpointing.enabled=false",
+                "logger.num_val_samples_to_print=0", "ppo.val_period=0"]
+        refused = subprocess.run([*base, f"run_dir={tmp_path / 'a'}"], check=False, cwd=ROOT, capture_output=True,
+                                 text=True, timeout=300)
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr[-2000:]
+        ok = subprocess.run([*base, f"run_dir={tmp_path / 'b'}", "--auth-token-file", str(pki / "token")],
+                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+        assert json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
