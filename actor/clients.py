@@ -60,8 +60,8 @@ class Pending(Generic[T]):
 
 
 def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
-    """Connect (TLS when a CA or client certificate is configured; the bearer token on every call), waiting up
-    to connect_timeout_s; a wrong address fails with a message that says so."""
+    """A channel to the server (TLS when a CA or client certificate is configured; the bearer token on every
+    call). It connects lazily: `wait_for_info` waits for the server and says why it cannot reach it."""
     options = grpc_options(cfg.max_message_mb)
     if cfg.tls_ca_file or cfg.tls_cert_file:
         credentials = grpc.ssl_channel_credentials(
@@ -73,35 +73,65 @@ def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc
         channel = grpc.insecure_channel(cfg.address, options=options)
     if token:
         channel = grpc.intercept_channel(channel, BearerClientInterceptor(token))
-    try:
-        grpc.channel_ready_future(channel).result(timeout=cfg.connect_timeout_s)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise RemoteError(
-            f"cannot reach the {name} server at {cfg.address} after {cfg.connect_timeout_s:.0f} s: is it running, "
-            f"and is `{name}.address` right?"
-        ) from None
     return channel
 
 
+_WAIT_LOG_EVERY_S = 5.0
+_RETRY_WHILE_CONNECTING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def unreachable_reason(e: grpc.RpcError) -> str:
+    """Why a call did not reach a working server, in words an operator can act on."""
+    code, details = e.code(), e.details() or ""
+    low = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "not loaded yet" in low:
+            return "its model is still loading"
+        if "connection refused" in low:
+            return "connection refused: nothing listens on that port"
+        if "dns" in low or "resolv" in low or "name or service not known" in low:
+            return "the host name does not resolve"
+        if "http" in low or "socket closed" in low or "protocol" in low or "frame" in low:
+            return f"something answers on that port, but not a gRPC server ({details})"
+        if "ssl" in low or "tls" in low or "handshake" in low or "certificate" in low:
+            return f"the TLS handshake failed ({details})"
+        return details or "unavailable"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer (a firewall dropping packets, or a server too busy to answer)"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return f"a gRPC server answers on that port, but not one of ours ({details})"
+    return f"{code.name}: {details}"
+
+
 def wait_for_info(name: str, cfg: RemoteConfig, get_info: Callable, request) -> Any:
-    """GetInfo, retried while the server answers UNAVAILABLE (listening, model still loading), until
-    connect_timeout_s has passed since the call."""
-    deadline = time.monotonic() + cfg.connect_timeout_s
+    """GetInfo, retried while the server cannot be reached or is still loading its model, for up to
+    connect_timeout_s; every few seconds a log line says which server the actor waits for and why. Fails with
+    that reason; at once for answers that waiting cannot change (a wrong token, not our server)."""
+    start = time.monotonic()
+    deadline = start + cfg.connect_timeout_s
+    next_log = start + 1.0
     delay = 0.1
     while True:
+        remaining = deadline - time.monotonic()
         try:
-            return get_info(request, timeout=max(1.0, min(cfg.timeout_s, deadline - time.monotonic())))
+            return get_info(request, timeout=max(0.5, min(5.0, cfg.timeout_s, remaining)))
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
-                raise RemoteError(f"{name} server {cfg.address} GetInfo failed: {e.code().name}: {e.details()}") from None
-            if time.monotonic() + delay > deadline:
+            reason = unreachable_reason(e)
+            not_grpc = "http1" in (e.details() or "").lower()  # an HTTP/1 server will not turn into a gRPC one
+            if e.code() not in _RETRY_WHILE_CONNECTING or not_grpc:
+                raise RemoteError(f"{name} server {cfg.address} GetInfo failed: {reason}") from None
+            now = time.monotonic()
+            if now + delay > deadline:
                 raise RemoteError(
-                    f"the {name} server at {cfg.address} did not become ready within {cfg.connect_timeout_s:.0f} s "
-                    f"(`{name}.connect_timeout_s`); last answer: {e.details()}"
+                    f"cannot reach the {name} server at {cfg.address} within {cfg.connect_timeout_s:.0f} s "
+                    f"(`{name}.connect_timeout_s`): {reason}. Is it running, and is `{name}.address` right?"
                 ) from None
+            if now >= next_log:
+                log.warning("waiting for the %s server at %s: %s (%.0f s left)", name, cfg.address, reason,
+                            deadline - now)
+                next_log = now + _WAIT_LOG_EVERY_S
         time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+        delay = min(delay * 2, 1.0)
 
 
 def _call(what: str, fn, request, timeout: float):

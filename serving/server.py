@@ -29,7 +29,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from pydantic import Field
 
 from .batching import ModelWorker
@@ -107,6 +107,23 @@ def rpc_method(name: str) -> Callable:
         return wrapper
 
     return decorate
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(service_names: list[str], server: grpc.aio.Server) -> None:
+    """Server reflection under grpc.reflection.v1 (what current grpcurl and Postman ask first) and v1alpha (older
+    clients). The two protocols have identical messages, so one servicer answers both."""
+    names = [*service_names, REFLECTION_V1, reflection.SERVICE_NAME]
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
 
 
 def add_servicer(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor, metrics: ServiceMetrics) -> str:
@@ -224,7 +241,7 @@ class Service:
         names = self.add_servicers(server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        enable_reflection([*names, health.SERVICE_NAME], server)
         for n in ["", *names]:
             await health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:

@@ -84,10 +84,23 @@ def test_actor_trains_two_steps_and_writes_metrics_and_checkpoints(servers, tmp_
 def test_actor_fails_clearly_when_the_critic_is_unreachable(servers, tmp_path):
     _, reward = servers
     dead = f"127.0.0.1:{free_port()}"
-    result = run_actor(tmp_path / "run", f"critic.address={dead}", "critic.connect_timeout_s=2",
+    result = run_actor(tmp_path / "run", f"critic.address={dead}", "critic.connect_timeout_s=4",
                        f"reward.address={reward.address}", timeout=120)
     assert result.returncode == 1
     assert f"cannot reach the critic server at {dead}" in result.stderr and "critic.address" in result.stderr
+    assert "connection refused" in result.stderr
+    assert f"waiting for the critic server at {dead}: connection refused" in result.stderr  # logged while waiting
+
+
+def test_actor_pointed_at_an_http_port_says_it_is_no_grpc_server(servers, tmp_path):
+    critic, reward = servers
+    wrong = f"127.0.0.1:{reward.http_port}"
+    start = time.monotonic()
+    result = run_actor(tmp_path / "run", f"critic.address={critic.address}", f"reward.address={wrong}",
+                       "reward.connect_timeout_s=60", timeout=120)
+    assert result.returncode == 1
+    assert f"reward server {wrong}" in result.stderr and "not a gRPC server" in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - start < 45, "an HTTP port is reported at once, not after the whole connect timeout"
 
 
 def test_actor_rejects_a_bad_config_key_naming_it(tmp_path):

@@ -528,3 +528,25 @@ def test_every_scorer_is_documented_and_no_negative_is_served_as_a_component(exa
 
 def test_sigterm_exits_zero(rule_server):
     assert rule_server.terminate() == 0
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_under_v1_and_v1alpha(server, version):
+    """grpcurl asks grpc.reflection.v1 first; older clients v1alpha. Both list the services and describe them."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(server.address) as ch:
+        rpc = ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                               request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                               response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        answers = list(rpc(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="ppo_services.v1.RewardService"),
+        ]), timeout=10))
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert {"ppo_services.v1.RewardService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in answers[1].file_descriptor_response.file_descriptor_proto]
+    assert any(f.name == "ppo_services/v1/reward.proto" and f.service[0].name == "RewardService" for f in files)
