@@ -39,24 +39,61 @@ class IncompatibleServer(RuntimeError):
 
 
 class Pending(Generic[T]):
-    """A call in flight (a gRPC or a thread-pool future); result() waits for it and converts the reply."""
+    """A call in flight; result() waits for it and converts the reply. A call started by `start` (an idempotent
+    gRPC call) is started again, with exponential backoff, while the server answers UNAVAILABLE (restarting,
+    unreachable), for up to `outage_s` seconds; past that, result() raises RemoteError naming the server."""
 
-    def __init__(self, call: grpc.Future | Future, convert: Callable, what: str):
-        self._call, self._convert, self._what = call, convert, what
+    def __init__(self, start: Callable[[], grpc.Future | Future], convert: Callable, what: str,
+                 outage_s: float = 0.0, outage_key: str = ""):
+        self._start, self._convert, self._what = start, convert, what
+        self._outage_s, self._outage_key = outage_s, outage_key
+        self._call = start()
 
     def done(self) -> bool:
         return self._call.done()
 
     def result(self) -> T:
-        try:
-            reply = self._call.result()
-        except grpc.RpcError as e:
-            raise RemoteError(f"{self._what} failed: {e.code().name}: {e.details()}") from None
-        return self._convert(reply)
+        outage_since, delay = None, 0.5
+        while True:
+            try:
+                return self._convert(self._call.result())
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or self._outage_s <= 0:
+                    raise RemoteError(f"{self._what} failed: {e.code().name}: {e.details()}") from None
+                now = time.monotonic()
+                outage_since = outage_since or now
+                if now + delay - outage_since > self._outage_s:
+                    raise RemoteError(
+                        f"{self._what} failed: the server was unavailable for {now - outage_since:.0f} s, longer than "
+                        f"{self._outage_key} ({self._outage_s:.0f} s): {unreachable_reason(e)}") from None
+                log.warning("%s: the server is unavailable (%s); retrying in %.1f s", self._what,
+                            unreachable_reason(e), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                self._call = self._start()
 
-    def then(self, convert: Callable[[T], Any]) -> Pending:
-        """The same call with a further conversion of its result."""
-        return Pending(self._call, lambda reply: convert(self._convert(reply)), self._what)
+    def then(self, convert: Callable[[T], Any]) -> Mapped:
+        """The same call with a further conversion of its result (the call is not started again)."""
+        return Mapped(self, convert)
+
+
+def retrying(method, request, convert: Callable, what: str, cfg: RemoteConfig, name: str) -> Pending:
+    """`method(request)` as a Pending that is started again while the server is unavailable (idempotent calls)."""
+    return Pending(lambda: method.future(request, timeout=cfg.timeout_s), convert, what, cfg.outage_timeout_s,
+                   f"{name}.outage_timeout_s")
+
+
+class Mapped(Generic[T]):
+    """A Pending's result, converted once more."""
+
+    def __init__(self, parent: Pending, convert: Callable):
+        self._parent, self._convert = parent, convert
+
+    def done(self) -> bool:
+        return self._parent.done()
+
+    def result(self) -> T:
+        return self._convert(self._parent.result())
 
 
 def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
@@ -166,17 +203,21 @@ class CriticClient:
         def convert(r: critic_pb2.InferResponse):
             return decode(r.values, "values"), (decode(r.rewards, "rewards") if r.HasField("rewards") else None)
 
-        return Pending(self.stub.Infer.future(req, timeout=self.cfg.timeout_s), convert, f"{self.what} Infer")
+        return retrying(self.stub.Infer, req, convert, f"{self.what} Infer", self.cfg, "critic")
 
     def train(self, tokens: torch.Tensor, lengths: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
-              mask: torch.Tensor, value_clip: float, loss_scale: float) -> Pending[TrainResult]:
+              mask: torch.Tensor, value_clip: float, loss_scale: float, request_id: str = "") -> Pending[TrainResult]:
         """One critic training pass; `lengths` gives the attention mask inference used, the value-loss
-        settings travel with the request (the actor's value_loss_fn)."""
+        settings travel with the request (the actor's value_loss_fn). With a `request_id` the server applies it
+        at most once, so the call is retried like the idempotent ones."""
         req = critic_pb2.TrainRequest(tokens=encode(tokens), lengths=encode(lengths), returns=encode(returns.float()),
                                       old_values=encode(old_values.float()), mask=encode(mask.float()),
-                                      value_clip=value_clip, loss_scale=loss_scale)
-        return Pending(self.stub.Train.future(req, timeout=self.cfg.timeout_s),
-                       lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step), f"{self.what} Train")
+                                      value_clip=value_clip, loss_scale=loss_scale, request_id=request_id)
+        if not request_id:
+            return Pending(lambda: self.stub.Train.future(req, timeout=self.cfg.timeout_s),
+                           lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step), f"{self.what} Train")
+        return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step),
+                        f"{self.what} Train", self.cfg, "critic")
 
     def save(self, tag: str) -> str:
         """Checkpoint the critic; returns the directory written on the server."""
@@ -202,12 +243,12 @@ class RewardClient:
         """Score the policy's token ids (the server shares the policy's tokenizer)."""
         req = reward_pb2.ScoreRequest(tokens=encode(tokens), lengths=encode(lengths),
                                       prompt_lengths=encode(prompt_lengths), labels=labels or [])
-        return Pending(self.stub.Score.future(req, timeout=self.cfg.timeout_s), _convert_scores, f"{self.what} Score")
+        return retrying(self.stub.Score, req, _convert_scores, f"{self.what} Score", self.cfg, "reward")
 
     def score_texts(self, texts: list[str], prompts: list[str], labels: list[str] | None = None) -> Pending[Scores]:
         """Score prompt+response strings (the server tokenizes them with its own tokenizer)."""
         req = reward_pb2.ScoreRequest(texts=texts, prompts=prompts, labels=labels or [])
-        return Pending(self.stub.Score.future(req, timeout=self.cfg.timeout_s), _convert_scores, f"{self.what} Score")
+        return retrying(self.stub.Score, req, _convert_scores, f"{self.what} Score", self.cfg, "reward")
 
     def close(self) -> None:
         self.channel.close()
@@ -242,7 +283,7 @@ class OpenRLHFRewardClient:
         body: dict[str, Any] = {"query": texts, "prompts": prompts}
         if labels is not None:
             body["labels"] = labels
-        return Pending(self.pool.submit(self._post, body), lambda scores: scores, f"reward server {self.url}")
+        return Pending(lambda: self.pool.submit(self._post, body), lambda scores: scores, f"reward server {self.url}")
 
     def _post(self, body: dict) -> Scores:
         n = len(body["query"])

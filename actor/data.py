@@ -102,3 +102,17 @@ def require_labels(prompts: list[Prompt], label_key: str, why: str) -> None:
     missing = next((p for p in prompts if p.label is None), None)
     if missing is not None:
         raise DataError(f"{missing.where}: no {label_key!r} (data.label_key), but {why}")
+
+
+def run_id_of(run_dir: Path) -> str:
+    """The run's id: made once (12 hex digits) and kept in <run_dir>/run_id, so a restart in the same run_dir keeps
+    it. It names the run's critic checkpoints and its Train requests."""
+    path = run_dir / "run_id"
+    if path.is_file():
+        return path.read_text().strip()
+    import uuid
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id + "\n")
+    return run_id

@@ -41,9 +41,16 @@ from serving.rest import add_ops_routes, start_ops_thread
 from serving.security import load_token
 
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
-from .clients import CriticClient, IncompatibleServer, OpenRLHFRewardClient, RewardClient, check_compatible
+from .clients import (
+    CriticClient,
+    IncompatibleServer,
+    OpenRLHFRewardClient,
+    RemoteError,
+    RewardClient,
+    check_compatible,
+)
 from .config import ActorConfig
-from .data import PromptSampler, load_prompts, require_labels, resolve_data_file
+from .data import PromptSampler, load_prompts, require_labels, resolve_data_file, run_id_of
 from .generation import SamplingParams, TorchGenerationBackend
 from .rollouts import RolloutBatch, RolloutCollector, ScoreFn, text_scorer, token_scorer
 from .tracking import MetricsTracker, Timers
@@ -93,8 +100,9 @@ class PPOTrainer:
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 
+        self.run_id = run_id_of(self.run_dir)
         self.token = load_token(cfg.auth_token_file, "auth_token_file")
-        self.critic = None
+        self.critic, self.critic_restarts, self.critic_seen = None, 0, ("", 0)
         if cfg.needs_critic:
             self.critic = CriticClient(cfg.critic, self.token)
         else:
@@ -124,6 +132,7 @@ class PPOTrainer:
         critic_info = self.critic.info() if self.critic is not None else None
         if critic_info is not None:
             check_compatible("critic", critic_info, sha, vocab, needed, why)
+            self.critic_seen = (critic_info.instance_id, critic_info.train_step)
         labelled = all(p.label is not None for p in self.train_prompts)
         if cfg.reward.source == "critic":
             if not critic_info.serves_rewards:
@@ -160,6 +169,20 @@ class PPOTrainer:
                 f"ppo.adv_estimator.name=gdpo needs at least two reward components; the reward source reports "
                 f"{list(available)}, ppo.adv_estimator.reward_components asks for {names}: start the reward server "
                 "with components=[...], e.g. components=[positive_fraction,no_negative]")
+
+    def watch_critic(self) -> None:
+        """Notice a critic that restarted since the last step (a new instance id): log what it lost (the train
+        steps between its checkpoint and the last reply) and go on with it."""
+        if self.critic is None:
+            return
+        info = self.critic.info()
+        instance, train_step = self.critic_seen
+        if info.instance_id != instance or info.train_step < train_step:
+            self.critic_restarts += 1
+            log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last "
+                        "reply was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address,
+                        instance[:8], info.instance_id[:8], info.train_step, train_step, max(0, train_step - info.train_step))
+        self.critic_seen = (info.instance_id, info.train_step)
 
     # --- the policy update ----------------------------------------------------------------------
     def _group_order(self, group_ids: torch.Tensor) -> torch.Tensor:
@@ -234,6 +257,7 @@ class PPOTrainer:
     def step(self, step: int) -> tuple[dict[str, float], RolloutBatch]:
         cfg, t = self.cfg, self.timers
         p, lf, kc = cfg.ppo, cfg.loss_fn, cfg.ppo.kl_controller
+        self.watch_critic()
         with t("rollout_time"):
             batch, gen_batches = self.collector.collect(
                 self.sampler, self.sampling, seed=p.seed + step, num_prompts=p.num_prompts_per_step,
@@ -265,7 +289,8 @@ class PPOTrainer:
         critic_train = None
         if returns is not None and self.critic is not None:  # not awaited: the critic trains while the policy does
             vl = cfg.value_loss_fn
-            critic_train = self.critic.train(r.tokens, r.lengths, returns, values, mask, vl.cliprange or 0.0, vl.scale)
+            critic_train = self.critic.train(r.tokens, r.lengths, returns, values, mask, vl.cliprange or 0.0, vl.scale,
+                                             request_id=f"{self.run_id}/{step}/0")
         metrics: dict[str, float] = {}
         if step >= p.policy_training_start_step:
             with t("train_time"):
@@ -291,7 +316,9 @@ class PPOTrainer:
             **{f"train_optim/{k}": float(v) for k, v in is_metrics.items()},
         })
         if critic is not None:
+            self.critic_seen = (self.critic_seen[0], critic.train_step)
             metrics.update({"critic/loss": critic.loss, "critic/train_step": float(critic.train_step),
+                            "critic/restarts": float(self.critic_restarts),
                             **{f"critic/{k}": v for k, v in critic.metrics.items()}})
         # advantages as the estimator gave them, before whitening (NeMo-Aligner logs these too)
         stats = {"advantages": raw_advantages, "returns": returns, "values": values}
@@ -334,7 +361,12 @@ class PPOTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         self.policy.save_pretrained(tmp / "actor")
         self.tokenizer.save_pretrained(tmp / "actor")
-        critic_path = self.critic.save(f"step_{step}") if self.critic is not None else None
+        critic_path = None
+        if self.critic is not None:
+            try:
+                critic_path = self.critic.save(f"{self.run_id}-step_{step}")  # the run's own namespace
+            except RemoteError as e:  # the actor's own state is still worth keeping
+                log.error("checkpoint of step %d without the critic: %s", step, e)
         meta = {"step": step, "actor": str((final / "actor").resolve()), "critic": critic_path,
                 "consumed_samples": self.sampler.consumed, "epoch": self.sampler.epoch, "kl_coef": self.kl_coef}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
@@ -357,7 +389,13 @@ class PPOTrainer:
                 step -= 1
                 break
             start = time.perf_counter()
-            metrics, last_batch = self.step(step)
+            try:
+                metrics, last_batch = self.step(step)
+            except RemoteError:  # a server stayed away longer than its outage bound: keep what is done, then stop
+                if cfg.checkpointing.enabled and step > 1:
+                    path = self.save_checkpoint(step - 1)
+                    self.tracker.write(f"a server is unavailable: checkpoint of step {step - 1} at {path}")
+                raise
             if step == 1 and n_print:
                 self.tracker.write("samples before training (step 1):\n" + self.samples_table(last_batch, n_print))
             last = step == p.max_num_steps or self.stop_requested

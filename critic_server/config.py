@@ -20,6 +20,12 @@ class CriticTrainConfig(StrictModel):
     grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     value_clip: float = Field(0.2, ge=0, description="Value-loss clipping range around the old values; 0 disables.")
     loss_scale: float = Field(1.0, gt=0, description="Multiplier of the value loss.")
+    dedupe_window: int = Field(
+        1024,
+        ge=0,
+        description="Replies of the last N Train request_ids kept (in memory and in every checkpoint): a Train whose "
+        "request_id is among them is answered with the stored reply and not applied again. 0 disables deduplication.",
+    )
 
 
 class CriticConfig(ServerConfig):
@@ -37,13 +43,28 @@ class CriticConfig(ServerConfig):
         None, description="Combined mode: also serve this reward model; Infer then returns rewards as well."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
-    checkpoint_dir: str = Field("checkpoints/critic", description="Where Save writes <checkpoint_dir>/<tag>.")
+    checkpoint_dir: str = Field(
+        "checkpoints/critic", description="Where Save and autosave write <checkpoint_dir>/<tag>; what `resume` reads."
+    )
     keep_last: int = Field(
         0,
         ge=0,
         description="Checkpoints to keep: 0 keeps every one; N > 0 keeps the N most recently written (by the saved_at "
         "in their critic_state.json) and, after each successful Save, deletes this server's older ones and its "
         "leftover .tmp-* directories. Directories without a critic_state.json are never deleted.",
+    )
+    autosave_every: int = Field(
+        0,
+        ge=0,
+        description="Self-checkpointing: N > 0 saves <checkpoint_dir>/autosave-<train_step> whenever a Train crosses a "
+        "multiple of N optimizer steps, and once more on SIGTERM after in-flight work drained (if it trained since the "
+        "last save). keep_last applies as to Save. 0 disables both; only Save writes checkpoints.",
+    )
+    resume: Literal["latest", "never"] = Field(
+        "latest",
+        description="At start, `latest` loads the newest checkpoint this server wrote in checkpoint_dir (one whose "
+        "critic_state.json has a saved_at: weights, optimizer, train step, dedupe window) instead of `model`, if there "
+        "is one; `never` always starts from `model`.",
     )
     seed: int = Field(1234, description="Seed for the value head's initialisation when the checkpoint has none.")
     train: CriticTrainConfig = Field(default_factory=CriticTrainConfig)

@@ -12,6 +12,7 @@ import pickle
 import re
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import resolve_model
-from serving.errors import InvalidArgument
+from serving.errors import DeadlineExceeded, InvalidArgument
 from serving.modeling import (
     TORCH_DTYPES,
     last_token_scores,
@@ -34,6 +35,7 @@ from serving.modeling import (
 from serving.validation import check_lengths, check_per_action, check_tokens
 
 from .config import CriticConfig
+from .dedupe import Ticket, TrainResult, TrainWindow
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +64,25 @@ class CriticCore:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.train_step = 0
+        self.instance_id = uuid.uuid4().hex  # tells clients this process apart from the one before a restart
+        self.window = TrainWindow(cfg.train.dedupe_window)
+        self.source = cfg.model  # where the weights came from, as GetInfo reports it
+        self.unsaved = False  # a Train was applied since the last checkpoint (or the start)
 
     # --- loading --------------------------------------------------------------------------------
     def load(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        path = resolve_model(cfg.model)
+        latest = newest_checkpoint(Path(cfg.checkpoint_dir)) if cfg.resume == "latest" else None
+        if latest is not None:
+            path = str(latest)
+            self.source = str(latest.resolve())
+            log.info("resume=latest: resuming from %s, the newest checkpoint in %s (not model=%s)", self.source,
+                     cfg.checkpoint_dir, cfg.model)
+        else:
+            path = resolve_model(cfg.model)
+            log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
+                     cfg.checkpoint_dir)
         self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype]).to(self.device)
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = int(self.model.config.vocab_size)
@@ -78,8 +93,11 @@ class CriticCore:
             self.optimizer.load_state_dict(load_optimizer_state(Path(path) / OPTIMIZER_FILE, self.device))
             for group in self.optimizer.param_groups:  # the moments resume; the configured hyperparameters win
                 group.update(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-            self.train_step = json.loads((Path(path) / STATE_FILE).read_text())["train_step"]
-            log.info("resumed critic optimizer state at train step %d from %s", self.train_step, path)
+            state = json.loads((Path(path) / STATE_FILE).read_text())
+            self.train_step = state["train_step"]
+            self.window.load_json(state.get("dedupe_window", []))
+            log.info("resumed critic optimizer state at train step %d from %s (%d Train request ids remembered)",
+                     self.train_step, path, len(self.window))
         self.model.eval()
         self.reward_model = None
         if cfg.reward_model is not None:
@@ -94,13 +112,14 @@ class CriticCore:
 
     def info(self) -> dict:
         return {
-            "model": self.cfg.model,
+            "model": self.source,
             "vocab_size": self.vocab_size,
             "max_length": self.max_length,
             "train_step": self.train_step,
             "serves_rewards": self.reward_model is not None,
             "vocab_sha256": self.vocab_sha256,
             "max_batch_size": self.cfg.batching.max_batch_size,
+            "instance_id": self.instance_id,
         }
 
     # --- inference ------------------------------------------------------------------------------
@@ -162,6 +181,41 @@ class CriticCore:
         value_clip = tc.value_clip if value_clip is None else _check_setting(value_clip, "value_clip", allow_zero=True)
         loss_scale = tc.loss_scale if loss_scale is None else _check_setting(loss_scale, "loss_scale", allow_zero=False)
         return TrainInput(tokens.long(), lengths, returns, old_values, mask, value_clip, loss_scale)
+
+    def apply_train(self, request_id: str, deadline: float | None, batch: TrainInput,
+                    ticket: Ticket) -> tuple[TrainResult, bool] | None:
+        """Train on `batch` unless its request id was already applied (then: the stored result, True) or its
+        caller left before this started (None). `deadline` is on time.monotonic()'s clock; past it, nothing is
+        applied and DeadlineExceeded is raised. Remembers the id, then autosaves when a multiple of
+        autosave_every steps was crossed. Returns (result, whether it is a repeat's stored result)."""
+        if not ticket.start():
+            return None
+        if request_id and (stored := self.window.get(request_id)) is not None:
+            return stored, True
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExceeded("deadline exceeded before the model worker reached this Train; not applied")
+        step_before = self.train_step
+        loss, metrics, step = self.train(batch)
+        result = TrainResult(loss, metrics, step)
+        if request_id and self.cfg.train.dedupe_window > 0:
+            self.window.put(request_id, result)
+        self.unsaved = True
+        every = self.cfg.autosave_every
+        if every > 0 and step // every > step_before // every:
+            try:
+                path, _ = self.save(f"autosave-{step}")
+                log.info("autosaved %s", path)
+            except Exception:  # the Train is applied either way; the next autosave or the exit save retries
+                log.exception("autosave at train step %d failed", step)
+        return result, False
+
+    def save_on_exit(self) -> str | None:
+        """With autosave_every > 0, write autosave-<train_step> if a Train was applied since the last checkpoint;
+        returns the path written, or None."""
+        if self.cfg.autosave_every <= 0 or not self.unsaved:
+            return None
+        path, _ = self.save(f"autosave-{self.train_step}")
+        return path
 
     def train(self, batch: TrainInput) -> tuple[float, dict[str, float], int]:
         """One pass over the batch: one optimizer step per global batch, micro-batched, with the attention mask
@@ -226,7 +280,7 @@ class CriticCore:
 
     def save(self, tag: str) -> tuple[str, int]:
         """Write <checkpoint_dir>/<tag> atomically (temp dir, then rename): safetensors weights + tokenizer +
-        optimizer state + critic_state.json (train step, write time). Then, with keep_last > 0, delete this
+        optimizer state + critic_state.json (train step, write time, the Train request ids' window). Then, with keep_last > 0, delete this
         server's older checkpoints beyond the newest keep_last. Returns (path, train_step)."""
         started = time.time()
         root = Path(self.cfg.checkpoint_dir)
@@ -243,11 +297,13 @@ class CriticCore:
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)  # plain tensors and numbers: weights_only loads it
-        state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model}
+        state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
+                 "dedupe_window": self.window.to_json()}
         (tmp / STATE_FILE).write_text(json.dumps(state))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        self.unsaved = False
         if self.cfg.keep_last > 0:
             prune_checkpoints(root, self.cfg.keep_last, final, started)
         return str(final.resolve()), self.train_step
@@ -286,6 +342,16 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float)
             log.info("removed %s (keep_last=%d)", path, keep_last)
         except OSError as e:
             log.warning("could not remove old checkpoint %s: %s", path, e)
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint in root this server wrote last (largest saved_at in its critic_state.json), or None."""
+    if not root.is_dir():
+        return None
+    ours = [(saved_at, entry.name, entry) for entry in root.iterdir()
+            if not entry.is_symlink() and entry.is_dir() and not entry.name.startswith(TMP_PREFIX)
+            and (saved_at := _saved_at(entry)) is not None]
+    return max(ours)[2] if ours else None
 
 
 def _saved_at(directory: Path) -> float | None:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 import grpc
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
-from serving.errors import InvalidArgument
+from serving.errors import DeadlineExceeded, InvalidArgument
 from serving.server import Service, add_servicer, rpc_method
 
 from .config import CriticConfig
 from .core import CriticCore
+from .dedupe import Ticket, TrainGate, TrainResult, check_request_id
+
+log = logging.getLogger(__name__)
 
 
 def required(msg, field: str):
@@ -35,6 +42,7 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
         self.metrics = service.metrics
         self.train_steps = service.metrics_train_steps
         self.last_loss = service.metrics_last_loss
+        self.gate = TrainGate(self.core.window)
 
     @rpc_method("Infer")
     async def Infer(self, request: critic_pb2.InferRequest, context) -> critic_pb2.InferResponse:
@@ -49,16 +57,39 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
     @rpc_method("Train")
     async def Train(self, request: critic_pb2.TrainRequest, context) -> critic_pb2.TrainResponse:
         worker = self.service.require_ready()
+        remaining = context.time_remaining()  # None without a client deadline
+        deadline = None if remaining is None else time.monotonic() + remaining
+        request_id = check_request_id(request.request_id)
         batch = self.core.validate_train(
             *(required(request, f) for f in ("tokens", "returns", "old_values", "mask")),
             lengths=optional(request, "lengths"),
             value_clip=optional(request, "value_clip"),
             loss_scale=optional(request, "loss_scale"),
         )
-        loss, metrics, step = await worker.run_exclusive("Train", lambda: self.core.train(batch))
-        self.train_steps.set(step)
-        self.last_loss.set(loss)
-        return critic_pb2.TrainResponse(loss=loss, metrics=metrics, train_step=step)
+
+        async def apply() -> tuple[TrainResult, bool]:
+            if deadline is not None and time.monotonic() >= deadline:
+                self.service.metrics_expired.inc()
+                raise DeadlineExceeded("deadline exceeded before the Train was queued; not applied")
+            ticket = Ticket()
+            try:
+                return await worker.run_exclusive("Train", lambda: self.core.apply_train(request_id, deadline, batch,
+                                                                                         ticket))
+            except DeadlineExceeded:
+                self.service.metrics_expired.inc()
+                raise
+            except asyncio.CancelledError:  # the caller left (its deadline, or a cancel) before the model thread
+                if ticket.abandon() and deadline is not None and time.monotonic() >= deadline:
+                    self.service.metrics_expired.inc()
+                raise
+
+        result, duplicate = await self.gate.run(request_id, apply)
+        if duplicate:
+            self.service.metrics_duplicates.inc()
+        else:
+            self.train_steps.set(result.train_step)
+            self.last_loss.set(result.loss)
+        return critic_pb2.TrainResponse(loss=result.loss, metrics=result.metrics, train_step=result.train_step)
 
     @rpc_method("Save")
     async def Save(self, request: critic_pb2.SaveRequest, context) -> critic_pb2.SaveResponse:
@@ -82,10 +113,26 @@ class CriticService(Service):
         p = self.metrics.prefix
         self.metrics_train_steps = Gauge(f"{p}_train_steps", "Critic optimizer steps taken", registry=self.metrics.registry)
         self.metrics_last_loss = Gauge(f"{p}_last_loss", "Value loss of the last Train call", registry=self.metrics.registry)
+        self.metrics_duplicates = Counter(f"{p}_duplicate_trains", "Trains answered from an earlier call of the same "
+                                          "request_id, not applied again", registry=self.metrics.registry)
+        self.metrics_expired = Counter(f"{p}_expired_trains", "Trains not applied because their deadline passed "
+                                       "before the model worker reached them", registry=self.metrics.registry)
 
     def load(self) -> None:
         self.core.load()
         self.metrics_train_steps.set(self.core.train_step)
+
+    async def serve(self) -> int:
+        """Serve until SIGTERM; then, with autosave_every > 0, checkpoint what the drained Trains applied."""
+        code = await super().serve()
+        if self.worker is not None and not self.abandoned and not self.worker.failed:
+            try:
+                if (path := self.core.save_on_exit()) is not None:
+                    log.info("critic saved %s on exit (train step %d)", path, self.core.train_step)
+            except Exception:
+                log.exception("critic could not save on exit")
+                code = code or 1
+        return code
 
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         return [add_servicer(server, CriticServicer(self), critic_pb2.DESCRIPTOR.services_by_name["CriticService"], self.metrics)]

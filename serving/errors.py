@@ -31,3 +31,10 @@ class NotReady(ServiceError):
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
+
+
+class DeadlineExceeded(ServiceError):
+    """The client's deadline passed before the model worker reached the request; it was not applied."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504

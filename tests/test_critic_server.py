@@ -536,3 +536,110 @@ def test_bad_lengths_mask_and_loss_settings_name_the_field_and_leave_the_weights
         assert details.startswith(words[0]), details
     assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == step
     torch.testing.assert_close(infer(stub, tokens, probe_lengths), before, atol=0, rtol=0)
+
+
+# --- at-most-once Train, deadlines, restarts (docs/RELIABILITY.md) -----------------------------------------------
+
+def _info(stub) -> critic_pb2.CriticInfo:
+    return stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+
+
+def _with_id(request: critic_pb2.TrainRequest, request_id: str) -> critic_pb2.TrainRequest:
+    request.request_id = request_id
+    return request
+
+
+def test_a_train_sent_twice_with_the_same_request_id_is_applied_once(critic, stub):
+    tokens, lengths = batch(30)
+    step0 = _info(stub).train_step
+    duplicates = _metric(critic, "ppo_critic_duplicate_trains_total")
+    request = _with_id(train_request(tokens, 4.0), "run-a/7/0")
+    first = stub.Train(request, timeout=120)
+    values = infer(stub, tokens, lengths)
+    again = stub.Train(request, timeout=120)
+    assert first.train_step == step0 + 1
+    assert again == first  # the stored reply, loss and metrics included
+    assert _info(stub).train_step == step0 + 1
+    torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)  # weights changed once
+    assert _metric(critic, "ppo_critic_duplicate_trains_total") == duplicates + 1
+
+
+def test_concurrent_duplicates_are_applied_once(critic, stub):
+    tokens, _ = batch(31)
+    big, _ = batch(32, b=512, s=48)  # keeps the model busy while the duplicates queue up behind it
+    step0 = _info(stub).train_step
+    ahead = stub.Train.future(train_request(big, 1.0), timeout=120)
+    request = _with_id(train_request(tokens, 4.0), "run-a/8/0")
+    calls = [stub.Train.future(request, timeout=120) for _ in range(6)]
+    replies = [c.result() for c in calls]
+    big_steps = ahead.result().train_step - step0
+    assert all(r == replies[0] for r in replies)
+    assert _info(stub).train_step == step0 + big_steps + 1
+
+
+def test_trains_without_a_request_id_are_each_applied(stub):
+    tokens, _ = batch(33)
+    step0 = _info(stub).train_step
+    request = train_request(tokens, 4.0)
+    assert [stub.Train(request, timeout=120).train_step for _ in range(2)] == [step0 + 1, step0 + 2]
+
+
+@pytest.mark.parametrize("request_id", ["x" * 257, "run/ü/1", "run\n1"], ids=["257-chars", "non-ascii", "newline"])
+def test_a_bad_request_id_is_refused_and_nothing_trains(stub, request_id):
+    tokens, _ = batch(34)
+    step0 = _info(stub).train_step
+    expect_invalid(stub.Train, _with_id(train_request(tokens, 1.0), request_id), "request_id", "printable ASCII")
+    assert _info(stub).train_step == step0
+
+
+def test_a_train_whose_deadline_passes_in_the_queue_is_not_applied(critic, stub):
+    tokens, lengths = batch(35)
+    big, _ = batch(36, b=1024, s=48)  # about a second of training on a CPU
+    step0 = _info(stub).train_step
+    expired = _metric(critic, "ppo_critic_expired_trains_total")
+    ahead = stub.Train.future(train_request(big, 1.0), timeout=120)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Train(_with_id(train_request(tokens, 9.0), "run-a/9/0"), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    big_steps = ahead.result().train_step - step0
+    values = infer(stub, tokens, lengths)
+    time.sleep(0.5)  # anything still pending on the server would have run by now
+    assert _info(stub).train_step == step0 + big_steps
+    torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)
+    assert _metric(critic, "ppo_critic_expired_trains_total") == expired + 1
+    # Not remembered as applied: the same id with time to spare trains.
+    assert stub.Train(_with_id(train_request(tokens, 9.0), "run-a/9/0"), timeout=120).train_step == step0 + big_steps + 1
+
+
+def test_a_critic_restarted_on_its_checkpoint_dir_resumes_and_remembers_request_ids(embedded_cache, log_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    tokens, lengths = batch(37)
+    args = ("--checkpoint-dir", str(ckpt), "autosave_every=2")
+    with ServiceProcess("critic", *args, log_dir=log_dir) as first:
+        with channel(first.address) as ch:
+            stub = critic_pb2_grpc.CriticServiceStub(ch)
+            before = _info(stub)
+            assert before.train_step == 0 and before.model == "embedded:reward" and len(before.instance_id) == 32
+            replies = [stub.Train(_with_id(train_request(tokens, 3.0), f"run-b/{i}/0"), timeout=120) for i in range(3)]
+            values = infer(stub, tokens, lengths)
+        assert first.terminate(60) == 0
+    assert [r.train_step for r in replies] == [1, 2, 3]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["autosave-2", "autosave-3"]  # every 2 steps, and on SIGTERM
+    assert "saved" in first.log() and "on exit" in first.log()
+
+    with ServiceProcess("critic", *args, log_dir=log_dir) as second, channel(second.address) as ch:
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        info = _info(stub)
+        assert info.train_step == 3 and info.instance_id != before.instance_id
+        assert info.model == str((ckpt / "autosave-3").resolve())
+        torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=1e-6, rtol=1e-6)
+        assert stub.Train(_with_id(train_request(tokens, 3.0), "run-b/2/0"), timeout=120) == replies[2]
+        assert _info(stub).train_step == 3
+        assert stub.Train(_with_id(train_request(tokens, 3.0), "run-b/3/0"), timeout=120).train_step == 4
+    assert "resume=latest: resuming from" in second.log()
+
+    with ServiceProcess("critic", *args, "resume=never", log_dir=log_dir) as fresh, channel(fresh.address) as ch:
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        info = _info(stub)
+        assert info.train_step == 0 and info.model == "embedded:reward"
+        assert stub.Train(_with_id(train_request(tokens, 3.0), "run-b/2/0"), timeout=120).train_step == 1

@@ -29,7 +29,8 @@ def test_demo_learns_and_cleans_up(embedded_cache, tmp_path):
 
     assert (run_dir / "reward_curve.png").is_file() and list((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / f"step_{len(rows)}" / "actor" / "model.safetensors").is_file()
-    assert (run_dir / "checkpoints" / "critic" / f"step_{len(rows)}" / "model.safetensors").is_file()
+    run_id = (run_dir / "run_id").read_text().strip()  # critic checkpoints live in the run's namespace
+    assert (run_dir / "checkpoints" / "critic" / f"{run_id}-step_{len(rows)}" / "model.safetensors").is_file()
     assert "samples before training" in out and "samples after training" in out
     assert "critic server stopped (exit code 0)" in out and "reward server stopped (exit code 0)" in out
     assert elapsed < 300, f"the demo took {elapsed:.0f} s; the budget is 5 minutes on 2 CPU cores"

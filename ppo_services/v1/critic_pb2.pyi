@@ -24,7 +24,7 @@ class InferResponse(_message.Message):
     def __init__(self, values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("tokens", "returns", "old_values", "mask", "lengths", "value_clip", "loss_scale")
+    __slots__ = ("tokens", "returns", "old_values", "mask", "lengths", "value_clip", "loss_scale", "request_id")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class TrainRequest(_message.Message):
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     tokens: _common_pb2.Tensor
     returns: _common_pb2.Tensor
     old_values: _common_pb2.Tensor
@@ -39,7 +40,8 @@ class TrainRequest(_message.Message):
     lengths: _common_pb2.Tensor
     value_clip: float
     loss_scale: float
-    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    request_id: str
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_scale: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("loss", "metrics", "train_step")
@@ -73,7 +75,7 @@ class SaveResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., train_step: _Optional[int] = ...) -> None: ...
 
 class CriticInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_length", "train_step", "serves_rewards", "vocab_sha256", "max_batch_size")
+    __slots__ = ("model", "vocab_size", "max_length", "train_step", "serves_rewards", "vocab_sha256", "max_batch_size", "instance_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class CriticInfo(_message.Message):
     SERVES_REWARDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_length: int
@@ -88,4 +91,5 @@ class CriticInfo(_message.Message):
     serves_rewards: bool
     vocab_sha256: str
     max_batch_size: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., train_step: _Optional[int] = ..., serves_rewards: _Optional[bool] = ..., vocab_sha256: _Optional[str] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., train_step: _Optional[int] = ..., serves_rewards: _Optional[bool] = ..., vocab_sha256: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...

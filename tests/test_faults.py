@@ -1,0 +1,108 @@
+"""Faults a long run meets: a server killed and restarted mid-run, and one that stays away too long. Real
+processes: the servers are SIGKILLed, not mocked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from tests.service_procs import ROOT, ServiceProcess, free_port
+
+RUN = ["ppo.num_prompts_per_step=8", "ppo.num_generations_per_prompt=4", "policy.generation_batch_size=16",
+       "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "logger.num_val_samples_to_print=0",
+       "ppo.val_period=0", "policy.generation.max_new_tokens=8"]
+
+
+def start_actor(run_dir, reward_address: str, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"), "--http-port", "0",
+           f"run_dir={run_dir}", f"reward.address={reward_address}", f"critic.address=127.0.0.1:{free_port()}",
+           *RUN, *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    raise TimeoutError(f"no {n} steps in {timeout} s")
+
+
+def test_a_reward_server_killed_and_restarted_mid_run_loses_no_step(embedded_cache, log_dir, tmp_path):
+    grpc_port, http_port = free_port(), free_port()
+    first = ServiceProcess("reward", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
+    run_dir = tmp_path / "run"
+    actor = start_actor(run_dir, first.address, "ppo.max_num_steps=40", "checkpointing.enabled=false")
+    try:
+        wait_for_steps(run_dir, 2, actor)
+        first.proc.kill()  # SIGKILL: no drain, calls in flight break
+        first.proc.wait()
+        time.sleep(1.0)
+        with ServiceProcess("reward", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
+            out, _ = actor.communicate(timeout=300)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 0, out[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 41))
+    assert "the server is unavailable" in out and "retrying" in out
+
+
+def test_a_server_away_longer_than_the_bound_ends_the_run_with_a_checkpoint(embedded_cache, log_dir, tmp_path):
+    reward = ServiceProcess("reward", log_dir=log_dir).start()
+    run_dir = tmp_path / "run"
+    actor = start_actor(run_dir, reward.address, "ppo.max_num_steps=400", "reward.outage_timeout_s=3",
+                        "checkpointing.save_period=0")
+    try:
+        wait_for_steps(run_dir, 2, actor)
+        reward.proc.kill()
+        reward.proc.wait()
+        out, _ = actor.communicate(timeout=120)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 1, out[-3000:]
+    assert f"reward server {reward.address} Score failed: the server was unavailable" in out
+    assert "reward.outage_timeout_s" in out
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    meta = json.loads((run_dir / "checkpoints" / f"step_{done}" / "checkpoint.json").read_text())
+    assert meta["step"] == done
+
+
+def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on(embedded_cache, log_dir, tmp_path):
+    """The critic checkpoints itself after every train step (autosave_every=1) and resumes the latest at start;
+    the actor retries the Train in flight (same request id: applied once), notices the restart and goes on. No
+    critic step is lost or applied twice: the critic's train step equals the PPO step throughout."""
+    grpc_port, http_port = free_port(), free_port()
+    ckpt = tmp_path / "critic-ckpt"
+    args = ("--checkpoint-dir", str(ckpt), "autosave_every=1")
+    first = ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
+    with ServiceProcess("reward", log_dir=log_dir) as reward:
+        run_dir = tmp_path / "run"
+        cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
+               f"run_dir={run_dir}", f"reward.address={reward.address}", f"critic.address={first.address}",
+               "ppo.max_num_steps=25", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
+               "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
+               "checkpointing.enabled=false", "logger.num_val_samples_to_print=0"]
+        actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for_steps(run_dir, 3, actor)
+            first.proc.kill()
+            first.proc.wait()
+            with ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
+                out, _ = actor.communicate(timeout=300)
+        finally:
+            if actor.poll() is None:
+                actor.kill()
+    assert actor.returncode == 0, out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 26))
+    assert [r["critic/train_step"] for r in rows] == [float(r["step"]) for r in rows]
+    assert rows[-1]["critic/restarts"] == 1.0
+    assert "the critic server" in out and "restarted" in out
