@@ -16,5 +16,5 @@ def test_configuration_reference_is_current():
 
 def test_readme_links_resolve():
     readme = (ROOT / "README.md").read_text()
-    for target in ("docs/configuration.md", "docs/algorithms.md", "deploy/README.md"):
+    for target in ("docs/configuration.md", "docs/algorithms.md", "docs/RELIABILITY.md", "deploy/README.md"):
         assert f"]({target})" in readme and (ROOT / target).is_file()
