@@ -9,6 +9,7 @@ from serving.config import parse_cli
 from serving.security import SecurityError
 
 from .advantages import MissingRewardComponents
+from .checkpoints import ResumeError
 from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
 from .data import DataError
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (RemoteError, IncompatibleServer, DataError, SecurityError) as e:
+    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

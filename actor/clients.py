@@ -223,6 +223,11 @@ class CriticClient:
         """Checkpoint the critic; returns the directory written on the server."""
         return _call(f"{self.what} Save", self.stub.Save, critic_pb2.SaveRequest(tag=tag), self.cfg.timeout_s).path
 
+    def load(self, tag: str) -> tuple[str, int]:
+        """Return the critic to its checkpoint `tag`; returns (path, train_step)."""
+        reply = _call(f"{self.what} Load", self.stub.Load, critic_pb2.LoadRequest(tag=tag), self.cfg.timeout_s)
+        return reply.path, reply.train_step
+
     def close(self) -> None:
         self.channel.close()
 

@@ -230,6 +230,33 @@ class LoggerConfig(StrictModel):
 class CheckpointingConfig(StrictModel):
     enabled: bool = Field(True, description="Write checkpoints under <run_dir>/checkpoints.")
     save_period: int = Field(10, ge=0, description="Checkpoint every N steps (and always at the end); 0 only at the end.")
+    resume: str = Field(
+        "auto", description="auto: continue from the latest complete checkpoint in <run_dir>/checkpoints when there "
+        "is one; never: start over; or the path of a step_N checkpoint to continue from.")
+    keep_top_k: int | None = Field(None, ge=1, description="Keep only the latest checkpoint and the k best by metric_name; null keeps all.")
+    metric_name: str | None = Field(None, description="The metric that ranks checkpoints for keep_top_k, e.g. val/rewards (a checkpoint without it ranks last).")
+    higher_is_better: bool = Field(True, description="Whether a larger metric_name is better.")
+    checkpoint_must_save_by: str | None = Field(
+        None, description="Run time after which the actor checkpoints and stops (exit 0), as HH:MM:SS or DD:HH:MM:SS, e.g. a job's time limit minus a margin; null disables.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CheckpointingConfig:
+        if self.keep_top_k is not None and not self.metric_name:
+            raise ValueError("checkpointing.keep_top_k needs checkpointing.metric_name (e.g. val/rewards)")
+        if self.checkpoint_must_save_by is not None:
+            self.must_save_by_s  # noqa: B018 - parses, or raises naming the key
+        return self
+
+    @property
+    def must_save_by_s(self) -> float | None:
+        if self.checkpoint_must_save_by is None:
+            return None
+        parts = self.checkpoint_must_save_by.split(":")
+        if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"checkpointing.checkpoint_must_save_by: expected HH:MM:SS or DD:HH:MM:SS, got "
+                             f"{self.checkpoint_must_save_by!r}")
+        *days, h, m, sec = (int(p) for p in parts)
+        return (days[0] if days else 0) * 86400 + h * 3600 + m * 60 + sec
 
 
 class ActorConfig(StrictModel):

@@ -80,6 +80,17 @@ class PromptSampler:
         n = len(self.prompts)
         return torch.randperm(n, generator=self.gen).tolist() if self.shuffle else list(range(n))
 
+    def state_dict(self) -> dict:
+        """Where the sampler is (for exact resume): the epoch's order, the position in it, the counters and the
+        shuffling generator's state."""
+        return {"order": self._order, "pos": self._pos, "epoch": self.epoch, "consumed": self.consumed,
+                "generator": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._order, self._pos = list(state["order"]), int(state["pos"])
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.gen.set_state(state["generator"])
+
     @property
     def finished_epochs(self) -> int:
         """Complete passes over the prompts so far."""

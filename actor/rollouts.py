@@ -136,7 +136,7 @@ class RolloutCollector:
         self.pad_id, self.device = pad_id, device
         self.generation_batch_size, self.logprob_batch_size = generation_batch_size, logprob_batch_size
         self.timers = timers
-        self._next_group = 0
+        self.next_group = 0  # group ids stay unique across steps (and across a resume)
 
     def logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Log-prob of each next token, float32 [B, S-1], in batches of logprob_batch_size, without gradients."""
@@ -154,8 +154,8 @@ class RolloutCollector:
         `train`, also critic values and the policy's and reference's log-probs."""
         t = self.timers
         rows = [p for p in prompts for _ in range(generations)]
-        group_ids = torch.arange(self._next_group, self._next_group + len(prompts)).repeat_interleave(generations)
-        self._next_group += len(prompts)
+        group_ids = torch.arange(self.next_group, self.next_group + len(prompts)).repeat_interleave(generations)
+        self.next_group += len(prompts)
         # one label per sample whenever the data has any (a missing one is null), none otherwise
         labels = [p.label for p in rows] if any(p.label is not None for p in prompts) else None
         step = batch_size or self.generation_batch_size

@@ -35,13 +35,21 @@ class Timers:
 
 
 class MetricsTracker:
-    def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry, tensorboard: bool = True,
+                 resume_step: int | None = None):
+        """A new run rewrites metrics.jsonl; a resumed one keeps its rows up to `resume_step` and appends."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (run_dir / "metrics.jsonl").open("w", encoding="utf-8")  # one run per file
+        path = run_dir / "metrics.jsonl"
+        kept: list[dict] = []
+        if resume_step is not None and path.is_file():
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            kept = [r for r in rows if r["step"] <= resume_step]  # later rows are recomputed
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        self.jsonl = path.open("a" if resume_step is not None else "w", encoding="utf-8")
         self.tb = SummaryWriter(str(run_dir / "tensorboard")) if tensorboard else None
-        self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True)
-        self.history: list[dict] = []
+        self.bar = tqdm(total=total_steps, initial=resume_step or 0, desc="ppo", unit="step", dynamic_ncols=True)
+        self.history: list[dict] = [{k: (float("nan") if v is None else v) for k, v in r.items()} for r in kept]
         self.gauges = {
             "step": Gauge("ppo_actor_step", "Last finished PPO step", registry=registry),
             "train_rollouts/rewards": Gauge("ppo_actor_reward_mean", "Mean reward of the last step's rollouts", registry=registry),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import shutil
 import signal
 import time
@@ -40,6 +41,7 @@ from serving.modeling import (
 from serving.rest import add_ops_routes, start_ops_thread
 from serving.security import load_token
 
+from . import checkpoints
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .clients import (
     CriticClient,
@@ -78,7 +80,9 @@ class PPOTrainer:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(pol.device)
         dtype = TORCH_DTYPES[pol.precision]
-        policy_path = resolve_model(pol.model_name)
+        checkpoints.remove_leftovers(self.run_dir / "checkpoints")
+        self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
+        policy_path = str(self.resume_from / "actor") if self.resume_from else resolve_model(pol.model_name)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(self.device)
@@ -117,7 +121,9 @@ class PPOTrainer:
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
         self.shape_rewards = RewardPipeline(cfg)
         self.kl_coef = p.kl_controller.init_kl_coef  # beta of the KL in the reward, moved by an adaptive controller
-        self.tracker = MetricsTracker(self.run_dir, p.max_num_steps, self.registry, cfg.logger.tensorboard_enabled)
+        self.start_step = self.restore(self.resume_from) if self.resume_from else 0
+        self.tracker = MetricsTracker(self.run_dir, p.max_num_steps, self.registry, cfg.logger.tensorboard_enabled,
+                                      resume_step=self.start_step if self.resume_from else None)
 
     def _connect(self) -> ScoreFn | None:
         """Check every server this run uses and build the reward request: token ids to a server that shares the
@@ -353,37 +359,73 @@ class PPOTrainer:
         return "\n".join(lines)
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(self, step: int) -> Path:
-        """<run_dir>/checkpoints/step_N/: actor/ (Hugging Face format), checkpoint.json naming the
-        critic checkpoint the critic server wrote. Written as tmp_step_N, then renamed."""
+    def save_checkpoint(self, step: int, metrics: dict[str, float] | None = None) -> Path:
+        """<run_dir>/checkpoints/step_N/: the policy (Hugging Face format), optimizer, random states and
+        trainer_state.json, everything an exact resume needs (actor/checkpoints.py); checkpoint.json names the
+        critic checkpoint the critic server wrote for the same step. Written as tmp_step_N, then renamed."""
         root = self.run_dir / "checkpoints"
         tmp, final = root / f"tmp_step_{step}", root / f"step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
         self.policy.save_pretrained(tmp / "actor")
         self.tokenizer.save_pretrained(tmp / "actor")
-        critic_path = None
+        critic_tag, critic_path = f"{self.run_id}-step_{step}", None  # the run's own namespace on the critic
         if self.critic is not None:
             try:
-                critic_path = self.critic.save(f"{self.run_id}-step_{step}")  # the run's own namespace
+                critic_path = self.critic.save(critic_tag)
             except RemoteError as e:  # the actor's own state is still worth keeping
                 log.error("checkpoint of step %d without the critic: %s", step, e)
         meta = {"step": step, "actor": str((final / "actor").resolve()), "critic": critic_path,
                 "consumed_samples": self.sampler.consumed, "epoch": self.sampler.epoch, "kl_coef": self.kl_coef}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
+        metric = (metrics or {}).get(self.cfg.checkpointing.metric_name or "")
+        state = {**meta, "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
+                 "next_group": self.collector.next_group, "metric": metric,
+                 "python_random": random.getstate()[1], "config": self.cfg.model_dump(mode="json")}
+        rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(),
+               "sampler": self.sampler.state_dict(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        checkpoints.write_state(tmp, state, self.optimizer.state_dict(), rng)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        checkpoints.prune(root, self.cfg.checkpointing)
         return final
+
+    def restore(self, directory: Path) -> int:
+        """Continue from a checkpoint: optimizer, data position, random states, KL coefficient, and the critic
+        returned to its checkpoint of the same step. Returns the step the checkpoint finished."""
+        state, optimizer, rng = checkpoints.read_state(directory)
+        self.optimizer.load_state_dict(optimizer)
+        sampler = rng["sampler"]
+        self.sampler.load_state_dict(sampler)
+        self.shuffle_gen.set_state(rng["shuffle"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate((3, tuple(state["python_random"]), None))
+        self.kl_coef, self.collector.next_group = state["kl_coef"], state["next_group"]
+        if self.critic is not None:
+            if state["critic_tag"] is None:
+                log.warning("%s holds no critic checkpoint: the critic keeps its present weights", directory)
+            else:
+                path, train_step = self.critic.load(state["critic_tag"])
+                self.critic_seen = (self.critic_seen[0], train_step)
+                log.info("the critic returned to %s (train step %d)", path, train_step)
+        log.info("resuming after step %d from %s (%d samples consumed)", state["step"], directory,
+                 state["consumed_samples"])
+        return int(state["step"])
 
     def fit(self) -> list[dict]:
         cfg, p = self.cfg, self.cfg.ppo
+        ck_by = cfg.checkpointing.must_save_by_s
         signal.signal(signal.SIGTERM, self._request_stop)
         self.ready = True
         n_print = cfg.logger.num_val_samples_to_print
-        if p.val_at_start:
+        if p.val_at_start and not self.start_step:
             self.tracker.log(0, {**self.validate(), **self.timers.pop()})
-        last_batch, step = None, 0
-        for step in range(1, p.max_num_steps + 1):
+        last_batch, step = None, self.start_step
+        started = time.monotonic()
+        for step in range(self.start_step + 1, p.max_num_steps + 1):
             if self.sampler.finished_epochs >= p.max_num_epochs:
                 self.tracker.write(f"stopping before step {step}: ppo.max_num_epochs={p.max_num_epochs} passes done")
                 step -= 1
@@ -396,9 +438,10 @@ class PPOTrainer:
                     path = self.save_checkpoint(step - 1)
                     self.tracker.write(f"a server is unavailable: checkpoint of step {step - 1} at {path}")
                 raise
-            if step == 1 and n_print:
-                self.tracker.write("samples before training (step 1):\n" + self.samples_table(last_batch, n_print))
-            last = step == p.max_num_steps or self.stop_requested
+            if step == self.start_step + 1 and n_print:
+                self.tracker.write(f"samples before training (step {step}):\n" + self.samples_table(last_batch, n_print))
+            out_of_time = ck_by is not None and time.monotonic() - started >= ck_by
+            last = step == p.max_num_steps or self.stop_requested or out_of_time
             if (p.val_period and step % p.val_period == 0) or (last and p.val_at_end):
                 metrics.update(self.validate())
             metrics.update(self.timers.pop())
@@ -407,12 +450,17 @@ class PPOTrainer:
             self.tracker.log(step, metrics)
             ck = cfg.checkpointing
             if ck.enabled and (last or (ck.save_period and step % ck.save_period == 0)):
-                path = self.save_checkpoint(step)
+                path = self.save_checkpoint(step, metrics)
                 self.tracker.write(f"step {step}: checkpoint {path}")
             if self.stop_requested:
                 self.tracker.write(f"stopping after step {step} (SIGTERM)")
                 break
-        if cfg.checkpointing.enabled and step and not (self.run_dir / "checkpoints" / f"step_{step}").exists():
+            if out_of_time:
+                self.tracker.write(f"stopping after step {step}: checkpointing.checkpoint_must_save_by "
+                                   f"({ck.checkpoint_must_save_by}) reached")
+                break
+        if cfg.checkpointing.enabled and step > self.start_step and \
+                not (self.run_dir / "checkpoints" / f"step_{step}").exists():
             self.save_checkpoint(step)  # stopped early by max_num_epochs
         if n_print and last_batch is not None:
             self.tracker.write("samples after training:\n" + self.samples_table(last_batch, n_print))

@@ -20,12 +20,13 @@ import torch
 
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import resolve_model
-from serving.errors import DeadlineExceeded, InvalidArgument
+from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.modeling import (
     TORCH_DTYPES,
     last_token_scores,
     load_scalar_head_model,
     load_tokenizer,
+    max_length_before_loading,
     max_length_of,
     pad_and_stack,
     per_token_scores,
@@ -70,6 +71,15 @@ class CriticCore:
         self.unsaved = False  # a Train was applied since the last checkpoint (or the start)
 
     # --- loading --------------------------------------------------------------------------------
+    def max_length_hint(self) -> int | None:
+        """The max_length load() will find, from the configs of the checkpoint it will start from and of the reward
+        model, without loading them; None when one cannot be read."""
+        cfg = self.cfg
+        latest = newest_checkpoint(Path(cfg.checkpoint_dir)) if cfg.resume == "latest" else None
+        specs = [str(latest) if latest is not None else cfg.model, *([cfg.reward_model] if cfg.reward_model else [])]
+        lengths = [max_length_before_loading(spec) for spec in specs]
+        return None if None in lengths else min(lengths)
+
     def load(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
@@ -307,6 +317,25 @@ class CriticCore:
         if self.cfg.keep_last > 0:
             prune_checkpoints(root, self.cfg.keep_last, final, started)
         return str(final.resolve()), self.train_step
+
+
+    def restore(self, tag: str) -> tuple[str, int]:
+        """Go back to <checkpoint_dir>/<tag>, one of this server's checkpoints: weights, optimizer state, train
+        step and the request-id window. Returns (path, train_step)."""
+        path = checkpoint_path(Path(self.cfg.checkpoint_dir), tag)
+        if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
+            raise NotFound(f"tag: no checkpoint of this critic at {path}")
+        saved = load_scalar_head_model(str(path), TORCH_DTYPES[self.cfg.dtype])
+        self.model.load_state_dict(saved.state_dict())
+        self.optimizer.load_state_dict(load_optimizer_state(path / OPTIMIZER_FILE, self.device))
+        for group in self.optimizer.param_groups:  # as at start-up: the moments resume, the configured values win
+            group.update(lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+        state = json.loads((path / STATE_FILE).read_text())
+        self.train_step = int(state["train_step"])
+        self.window.load_json(state.get("dedupe_window", []), replace=True)  # the ids the checkpoint had applied
+        self.source, self.unsaved = str(path.resolve()), False
+        log.info("returned to checkpoint %s at train step %d", path, self.train_step)
+        return str(path.resolve()), self.train_step
 
 
 def checkpoint_path(root: Path, tag: str) -> Path:

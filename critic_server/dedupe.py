@@ -61,7 +61,11 @@ class TrainWindow:
         with self._lock:
             return [[k, asdict(v)] for k, v in self._results.items()]
 
-    def load_json(self, entries: list[list]) -> None:
+    def load_json(self, entries: list[list], replace: bool = False) -> None:
+        """Add the entries of `to_json`; with `replace`, they become the whole window."""
+        if replace:
+            with self._lock:
+                self._results.clear()
         for request_id, result in entries:
             self.put(str(request_id), TrainResult(float(result["loss"]), {k: float(v) for k, v in result["metrics"].items()},
                                                   int(result["train_step"])))

@@ -12,7 +12,8 @@ from prometheus_client import Counter, Gauge
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.errors import DeadlineExceeded, InvalidArgument
-from serving.server import Service, add_servicer, rpc_method
+from serving.server import Service, rpc_method
+from serving.wire import add_parsing_service
 
 from .config import CriticConfig
 from .core import CriticCore
@@ -98,6 +99,14 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
         path, step = await worker.run_exclusive("Save", lambda: self.core.save(tag))
         return critic_pb2.SaveResponse(path=path, train_step=step)
 
+    @rpc_method("Load")
+    async def Load(self, request: critic_pb2.LoadRequest, context) -> critic_pb2.LoadResponse:
+        worker = self.service.require_ready()
+        tag = self.core.validate_tag(request.tag)
+        path, step = await worker.run_exclusive("Load", lambda: self.core.restore(tag))
+        self.train_steps.set(step)
+        return critic_pb2.LoadResponse(path=path, train_step=step)
+
     @rpc_method("GetInfo")
     async def GetInfo(self, request: common_pb2.GetInfoRequest, context) -> critic_pb2.CriticInfo:
         self.service.require_ready()
@@ -134,5 +143,8 @@ class CriticService(Service):
                 code = code or 1
         return code
 
+    def max_length_hint(self) -> int | None:
+        return self.core.max_length_hint()
+
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
-        return [add_servicer(server, CriticServicer(self), critic_pb2.DESCRIPTOR.services_by_name["CriticService"], self.metrics)]
+        return [add_parsing_service(server, CriticServicer(self), critic_pb2.DESCRIPTOR.services_by_name["CriticService"], self.metrics)]

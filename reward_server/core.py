@@ -18,6 +18,7 @@ from serving.modeling import (
     last_token_scores,
     load_scalar_head_model,
     load_tokenizer,
+    max_length_before_loading,
     max_length_of,
     pad_and_stack,
     per_token_scores,
@@ -63,6 +64,11 @@ class RewardCore:
         self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
 
     # --- loading --------------------------------------------------------------------------------
+    def max_length_hint(self) -> int | None:
+        """The learned model's max_length from its config, without loading it; None for a rule scorer, whose texts
+        have no token limit."""
+        return max_length_before_loading(self.cfg.model) if self.cfg.scorer is None else None
+
     def load(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)

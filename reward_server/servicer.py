@@ -6,7 +6,8 @@ import grpc
 
 from ppo_services.v1 import reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
-from serving.server import Service, add_servicer, rpc_method
+from serving.server import Service, rpc_method
+from serving.wire import add_parsing_service
 
 from .config import RewardConfig
 from .core import RewardCore
@@ -57,5 +58,8 @@ class RewardService(Service):
     def load(self) -> None:
         self.core.load()
 
+    def max_length_hint(self) -> int | None:
+        return self.core.max_length_hint()
+
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
-        return [add_servicer(server, RewardServicer(self), reward_pb2.DESCRIPTOR.services_by_name["RewardService"], self.metrics)]
+        return [add_parsing_service(server, RewardServicer(self), reward_pb2.DESCRIPTOR.services_by_name["RewardService"], self.metrics)]

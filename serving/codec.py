@@ -38,6 +38,11 @@ def encode(t: torch.Tensor) -> common_pb2.Tensor:
     return common_pb2.Tensor(dtype=_WIRE[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
 
 
+def shape_text(shape: list[int]) -> str:
+    """A shape for an error message: in full up to 8 dimensions, else its start and the count."""
+    return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...] ({len(shape)} dimensions)"
+
+
 def decode(msg: common_pb2.Tensor, field: str) -> torch.Tensor:
     """Deserialize; raises InvalidArgument naming `field` when dtype, shape or byte count are wrong."""
     if msg.dtype not in DTYPES:
@@ -46,12 +51,12 @@ def decode(msg: common_pb2.Tensor, field: str) -> torch.Tensor:
     dtype = DTYPES[msg.dtype]
     shape = list(msg.shape)
     if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{field}: shape {shape} has a negative dimension")
+        raise InvalidArgument(f"{field}: shape {shape_text(shape)} has a negative dimension")
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(shape) * itemsize
     if len(msg.data) != expected:
         raise InvalidArgument(
-            f"{field}: {len(msg.data)} data bytes do not match shape {shape} of "
+            f"{field}: {len(msg.data)} data bytes do not match shape {shape_text(shape)} of "
             f"{common_pb2.DType.Name(msg.dtype)} ({expected} bytes expected)"
         )
     raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)

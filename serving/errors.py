@@ -38,3 +38,10 @@ class DeadlineExceeded(ServiceError):
 
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
+
+
+class NotFound(ServiceError):
+    """The named thing (e.g. a checkpoint) does not exist."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404

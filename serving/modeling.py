@@ -14,8 +14,10 @@ import json
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -78,13 +80,27 @@ def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     return scores.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
 
 
-def max_length_of(model: PreTrainedModel) -> int:
-    """Longest sequence the model's position embeddings allow."""
-    cfg = model.config
+def max_length_of(model: PreTrainedModel | PretrainedConfig) -> int:
+    """Longest sequence the model's position embeddings allow (from the model or its config)."""
+    cfg = model if isinstance(model, PretrainedConfig) else model.config
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if getattr(cfg, key, None):
             return int(getattr(cfg, key))
     raise ValueError(f"cannot tell the maximum sequence length of {type(cfg).__name__}")
+
+
+def max_length_before_loading(spec: str) -> int | None:
+    """max_length_of the checkpoint `spec` (a path, hub id or embedded:<name>) read from its config alone: no weights
+    are loaded and the embedded models are not built; None when the config cannot be read (loading then says why)."""
+    if spec.startswith("embedded:"):
+        # the embedded models' position limit is a constant of their build
+        from embedded.build import MAX_LENGTH
+
+        return MAX_LENGTH
+    try:
+        return max_length_of(AutoConfig.from_pretrained(spec))
+    except (OSError, ValueError):
+        return None
 
 
 def vocab_sha256(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -25,11 +25,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import DecodeError
-from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from pydantic import Field
 
 from .batching import ModelWorker
@@ -46,6 +43,7 @@ from .security import (
     load_token,
     server_credentials,
 )
+from .wire import add_parsing_service, grpc_options, receive_limit_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +64,15 @@ class ServerConfig(SecurityConfig):
     host: str = Field("127.0.0.1", description="Interface to listen on; containers pass 0.0.0.0.")
     port: int = Field(..., ge=0, le=65535, description="gRPC port.")
     http_port: int = Field(..., ge=0, le=65535, description="REST port for /health, /ready, /metrics.")
-    max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB (512 x 4096 tokens fit).")
+    max_message_mb: int = Field(
+        1024, ge=4, description="gRPC send limit in MiB, and the most the receive limit may be (512 x 4096 tokens fit). "
+        "The receive limit is min(max_message_mb MiB, max(4 MiB, 2 x max_request_rows x max_length x 32 B + 1 MiB)), "
+        "where max_length is the model's (read from its config before the weights load; unknown, e.g. for a rule "
+        "scorer, gives max_message_mb) and 32 B is the largest encoding of one token (int64 token + three float64 "
+        "per-action values); a larger message gets RESOURCE_EXHAUSTED from gRPC before it is buffered.")
+    max_request_rows: int = Field(
+        4096, ge=1, description="Rows of max_length tokens one request may carry (a Train carries the whole "
+        "rollout); sets the gRPC receive limit (see max_message_mb). Rows of shorter sequences fit in proportion.")
     grace_period_s: float = Field(30.0, ge=0, description="How long in-flight work may take after SIGTERM.")
     device: str = Field("auto", description="torch device for the model: auto (cuda if available), cpu, cuda, cuda:N.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads of this process (its thread budget when services "
@@ -74,10 +80,14 @@ class ServerConfig(SecurityConfig):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
 
 
-def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
-    """Channel/server options raising gRPC's 4 MiB default message limit on both directions."""
-    size = max_message_mb * 1024 * 1024
-    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+_MAX_DETAILS = 2000  # characters; gRPC fails a call whose status message passes its 16 KiB metadata limit
+
+
+def status_details(message: str) -> str:
+    """An error message short enough to travel as a gRPC status (one naming a 10,000-dimension shape is not)."""
+    if len(message) <= _MAX_DETAILS:
+        return message
+    return f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
 
 
 def rpc_method(name: str) -> Callable:
@@ -93,14 +103,14 @@ def rpc_method(name: str) -> Callable:
                 return await method(self, request, context)
             except ServiceError as e:
                 code = e.grpc_code
-                await context.abort(code, str(e))
+                await context.abort(code, status_details(str(e)))
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as e:
                 log.exception("%s failed", name)
                 code = grpc.StatusCode.INTERNAL
-                await context.abort(code, f"{name} failed: {type(e).__name__}: {e}")
+                await context.abort(code, status_details(f"{name} failed: {type(e).__name__}: {e}"))
             finally:
                 self.metrics.record_request(name, code.name, time.perf_counter() - start)
 
@@ -109,49 +119,21 @@ def rpc_method(name: str) -> Callable:
     return decorate
 
 
-REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+REFLECTION_V1 = "grpc.reflection.v1"
 
 
-def enable_reflection(service_names: list[str], server: grpc.aio.Server) -> None:
-    """Server reflection under grpc.reflection.v1 (what current grpcurl and Postman ask first) and v1alpha (older
-    clients). The two protocols have identical messages, so one servicer answers both."""
-    names = [*service_names, REFLECTION_V1, reflection.SERVICE_NAME]
-    servicer = reflection.aio.ReflectionServicer(names)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
-
-
-def add_servicer(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor, metrics: ServiceMetrics) -> str:
-    """Register `servicer` for `service` like the generated add_*_to_server, but parse the request bytes
-    here: bytes that are no valid message get INVALID_ARGUMENT naming the expected message (the stock
-    handler answers UNKNOWN and logs a traceback). Returns the service's full name."""
-    handlers = {}
-    for method in service.methods:
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _parse_then(getattr(servicer, method.name), GetMessageClass(method.input_type), method.name, metrics),
-            request_deserializer=None,
-            response_serializer=lambda reply: reply.SerializeToString(),
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    return service.full_name
-
-
-def _parse_then(behavior: Callable, request_cls: type, name: str, metrics: ServiceMetrics) -> Callable:
-    async def handler(raw: bytes, context: grpc.aio.ServicerContext):
-        try:
-            request = request_cls.FromString(raw)
-        except DecodeError as e:
-            metrics.record_request(name, grpc.StatusCode.INVALID_ARGUMENT.name)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request: not a valid {request_cls.DESCRIPTOR.full_name} message ({e})")
-        return await behavior(request, context)
-
-    return handler
+def add_probe_services(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Standard health, and server reflection under grpc.reflection.v1 (what current grpcurl and Postman ask
+    first) and v1alpha (older clients), with the request bytes parsed in our code like every other service. The
+    two reflection protocols have identical messages, so one servicer answers both. Returns the health servicer."""
+    health_servicer = health.aio.HealthServicer()
+    health_name = add_parsing_service(server, health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"])
+    reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+    names = [*service_names, health_name, f"{REFLECTION_V1}.{reflection_service.name}", reflection_service.full_name]
+    reflection_servicer = reflection.aio.ReflectionServicer(names)
+    add_parsing_service(server, reflection_servicer, reflection_service)
+    add_parsing_service(server, reflection_servicer, reflection_service, package=REFLECTION_V1)
+    return health_servicer
 
 
 class Service:
@@ -185,6 +167,11 @@ class Service:
     def add_servicers(self, server: grpc.aio.Server) -> list[str]:
         """Register gRPC servicers; return their full service names (for health and reflection)."""
         raise NotImplementedError
+
+    def max_length_hint(self) -> int | None:
+        """The max_length load() will find, read before loading (from the model's config, without weights), for
+        the gRPC receive limit; None when it cannot be told then (the limit is max_message_mb)."""
+        return None
 
     # --- shared ---------------------------------------------------------------------------------
     def require_ready(self) -> ModelWorker:
@@ -235,13 +222,15 @@ class Service:
             return 2
         if token:
             add_rest_auth(self.app, token, self.metrics)
+        # The receive limit is fixed when the server is built, before the model loads: it follows from the max
+        # length in the model's config, read without the weights.
+        max_length = self.max_length_hint()
+        receive_limit = receive_limit_bytes(cfg.max_message_mb, cfg.max_request_rows, max_length)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
         server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
-                                 options=[*grpc_options(cfg.max_message_mb), ("grpc.so_reuseport", 0)])
+                                 options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0)])
         names = self.add_servicers(server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        enable_reflection([*names, health.SERVICE_NAME], server)
+        health_servicer = add_probe_services(server, names)
         for n in ["", *names]:
             await health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
@@ -259,6 +248,8 @@ class Service:
         http_task = asyncio.create_task(http.serve())
         log.info("%s listening: gRPC%s %s:%d, HTTP%s %s:%d%s", self.name, " (TLS)" if credentials else "", cfg.host,
                  bound, "S" if credentials else "", cfg.host, cfg.http_port, ", bearer token required" if token else "")
+        log.info("%s receives gRPC messages up to %.1f MiB (max_length %s, max_request_rows %d, max_message_mb %d)",
+                 self.name, receive_limit / 2**20, max_length or "unknown", cfg.max_request_rows, cfg.max_message_mb)
 
         load = self._load_in_background(loop)
         stop_task = asyncio.create_task(stop.wait())

@@ -278,7 +278,7 @@ def test_random_bytes_to_every_rpc_get_an_error_and_change_nothing(critic, stub)
     before, step = infer(stub, tokens, lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
     checkpoints = sorted(critic.ckpt.iterdir())
     ch = channel(critic.address)
-    for method in ("Infer", "Train", "Save", "GetInfo"):
+    for method in ("Infer", "Train", "Save", "Load", "GetInfo"):
         for blob in random_blobs():
             assert send_raw(ch, SERVICE + method, blob) == grpc.StatusCode.INVALID_ARGUMENT, (method, blob[:16])
     health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
@@ -643,3 +643,24 @@ def test_a_critic_restarted_on_its_checkpoint_dir_resumes_and_remembers_request_
         info = _info(stub)
         assert info.train_step == 0 and info.model == "embedded:reward"
         assert stub.Train(_with_id(train_request(tokens, 3.0), "run-b/2/0"), timeout=120).train_step == 1
+
+
+def test_load_returns_to_a_checkpoint_weights_optimizer_step_and_request_ids(critic, stub):
+    """What an actor resuming its run asks: the critic goes back to the checkpoint saved with the actor's."""
+    tokens, lengths = batch(40)
+    stub.Train(_with_id(train_request(tokens, 2.0), "run-l/1/0"), timeout=120)
+    saved = stub.Save(critic_pb2.SaveRequest(tag="run-l-step_1"), timeout=120)
+    values_then = infer(stub, tokens, lengths)
+    second = stub.Train(_with_id(train_request(tokens, 5.0), "run-l/2/0"), timeout=120)
+    assert second.train_step == saved.train_step + 1
+    loaded = stub.Load(critic_pb2.LoadRequest(tag="run-l-step_1"), timeout=120)
+    assert (loaded.path, loaded.train_step) == (saved.path, saved.train_step)
+    assert _info(stub).train_step == saved.train_step
+    torch.testing.assert_close(infer(stub, tokens, lengths), values_then, atol=0, rtol=0)
+    # the window is the checkpoint's: step 2's id is unknown again and trains, to the same result as before
+    again = stub.Train(_with_id(train_request(tokens, 5.0), "run-l/2/0"), timeout=120)
+    assert again.train_step == second.train_step and again.loss == pytest.approx(second.loss, rel=1e-6)
+    for tag, code in (("no-such-checkpoint", grpc.StatusCode.NOT_FOUND), ("../x", grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Load(critic_pb2.LoadRequest(tag=tag), timeout=30)
+        assert err.value.code() == code and "tag" in err.value.details()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.service_procs import ROOT, ServiceProcess, free_port
 
 RUN = ["ppo.num_prompts_per_step=8", "ppo.num_generations_per_prompt=4", "policy.generation_batch_size=16",
@@ -106,3 +108,60 @@ def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on
     assert [r["critic/train_step"] for r in rows] == [float(r["step"]) for r in rows]
     assert rows[-1]["critic/restarts"] == 1.0
     assert "the critic server" in out and "restarted" in out
+
+
+def _comparable(row: dict) -> dict:
+    """A metrics row without what legitimately differs between two runs of the same steps (wall-clock times)."""
+    return {k: v for k, v in row.items() if not k.startswith("timers/")}
+
+
+def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(embedded_cache, log_dir, tmp_path):
+    """SIGKILL the actor mid-run and start the same command again: it resumes from its latest checkpoint (policy,
+    optimizer, data position, random states, KL coefficient; the critic returns to its checkpoint of that step),
+    and every step's metrics equal those of a run that was never interrupted."""
+    overrides = ["ppo.max_num_steps=12", "checkpointing.save_period=4", "ppo.num_prompts_per_step=8",
+                 "policy.generation_batch_size=8", "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
+                 "ppo.val_period=0", "logger.num_val_samples_to_print=0", "ppo.kl_controller.type=adaptive"]
+
+    def command(run_dir, critic, reward) -> list[str]:
+        return [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
+                f"run_dir={run_dir}", f"critic.address={critic.address}", f"reward.address={reward.address}", *overrides]
+
+    with ServiceProcess("reward", log_dir=log_dir) as reward:
+        with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-a"), log_dir=log_dir) as critic:
+            whole = subprocess.run(command(tmp_path / "a", critic, reward), check=False, cwd=ROOT,
+                                   capture_output=True, text=True, timeout=300)
+            assert whole.returncode == 0, whole.stderr[-3000:]
+        with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-b"), log_dir=log_dir) as critic:
+            first = subprocess.Popen(command(tmp_path / "b", critic, reward), cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+            try:
+                wait_for_steps(tmp_path / "b", 6, first)
+            finally:
+                first.kill()
+                first.communicate()
+            again = subprocess.run(command(tmp_path / "b", critic, reward), check=False, cwd=ROOT,
+                                   capture_output=True, text=True, timeout=300)
+            assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming after step" in again.stderr and "the critic returned to" in again.stderr
+    a = [_comparable(json.loads(line)) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    b = [_comparable(json.loads(line)) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == list(range(1, 13))
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (ra["step"], key)
+
+
+def test_checkpoint_must_save_by_checkpoints_and_stops(embedded_cache, log_dir, tmp_path):
+    with ServiceProcess("reward", log_dir=log_dir) as reward:
+        run = subprocess.run([sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"),
+                              "--http-port", "0", f"run_dir={tmp_path / 'run'}", f"reward.address={reward.address}",
+                              f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=50",
+                              "checkpointing.checkpoint_must_save_by=00:00:00:01", "checkpointing.save_period=0"],
+                             check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert 1 <= steps < 50
+    assert (tmp_path / "run" / "checkpoints" / f"step_{steps}" / "trainer_state.json").is_file()
+    assert "checkpoint_must_save_by" in run.stdout + run.stderr

@@ -74,6 +74,20 @@ class SaveResponse(_message.Message):
     train_step: int
     def __init__(self, path: _Optional[str] = ..., train_step: _Optional[int] = ...) -> None: ...
 
+class LoadRequest(_message.Message):
+    __slots__ = ("tag",)
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    def __init__(self, tag: _Optional[str] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("path", "train_step")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    train_step: int
+    def __init__(self, path: _Optional[str] = ..., train_step: _Optional[int] = ...) -> None: ...
+
 class CriticInfo(_message.Message):
     __slots__ = ("model", "vocab_size", "max_length", "train_step", "serves_rewards", "vocab_sha256", "max_batch_size", "instance_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,11 @@ class CriticServiceStub:
                 request_serializer=ppo__services_dot_v1_dot_critic__pb2.SaveRequest.SerializeToString,
                 response_deserializer=ppo__services_dot_v1_dot_critic__pb2.SaveResponse.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/ppo_services.v1.CriticService/Load',
+                request_serializer=ppo__services_dot_v1_dot_critic__pb2.LoadRequest.SerializeToString,
+                response_deserializer=ppo__services_dot_v1_dot_critic__pb2.LoadResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/ppo_services.v1.CriticService/GetInfo',
                 request_serializer=ppo__services_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
@@ -89,6 +94,16 @@ class CriticServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """Return to one of this server's checkpoints: weights, optimizer state, train step and the Train
+        request ids' window become the checkpoint's (an actor resuming its run sends the tag of the critic
+        checkpoint saved with its own). Serialized with Infer, Train and Save in arrival order. NOT_FOUND when
+        <checkpoint_dir>/<tag> holds no checkpoint of this server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """What the server runs, so a client can check compatibility before sending work.
         """
@@ -113,6 +128,11 @@ def add_CriticServiceServicer_to_server(servicer, server):
                     servicer.Save,
                     request_deserializer=ppo__services_dot_v1_dot_critic__pb2.SaveRequest.FromString,
                     response_serializer=ppo__services_dot_v1_dot_critic__pb2.SaveResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=ppo__services_dot_v1_dot_critic__pb2.LoadRequest.FromString,
+                    response_serializer=ppo__services_dot_v1_dot_critic__pb2.LoadResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -202,6 +222,33 @@ class CriticService:
             '/ppo_services.v1.CriticService/Save',
             ppo__services_dot_v1_dot_critic__pb2.SaveRequest.SerializeToString,
             ppo__services_dot_v1_dot_critic__pb2.SaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ppo_services.v1.CriticService/Load',
+            ppo__services_dot_v1_dot_critic__pb2.LoadRequest.SerializeToString,
+            ppo__services_dot_v1_dot_critic__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

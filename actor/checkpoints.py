@@ -1,0 +1,101 @@
+"""The actor's checkpoints on disk: where to resume from, what a checkpoint holds besides the policy, retention.
+
+<run_dir>/checkpoints/step_N/ holds `actor/` (the policy in Hugging Face format), `optimizer.pt`, `rng.pt` (the
+random generators' states) and `trainer_state.json` (step, data position, KL controller, the critic checkpoint of
+the same step, the metric that ranks it, the config). It is written as tmp_step_N and renamed, so a directory named
+step_N with a trainer_state.json is complete; tmp_step_* left by a crash are removed at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import CheckpointingConfig
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+
+
+class ResumeError(ValueError):
+    """The checkpoint to resume from cannot be used; the message says which and why."""
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=step_of)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Delete tmp_step_* directories a crash left half-written."""
+    for tmp in root.glob("tmp_step_*") if root.is_dir() else []:
+        log.info("removing the unfinished checkpoint %s", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resume_point(cfg: CheckpointingConfig, root: Path) -> Path | None:
+    """The checkpoint to continue from: checkpointing.resume auto (the latest complete one, if any), never, or a
+    path."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        found = complete_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(cfg.resume)
+    if not (path / STATE_FILE).is_file():
+        raise ResumeError(f"checkpointing.resume: {path} is no actor checkpoint (no {STATE_FILE}); expected auto, "
+                          "never or a <run_dir>/checkpoints/step_N directory")
+    return path
+
+
+def write_state(directory: Path, state: dict[str, Any], optimizer: dict, rng: dict[str, Any]) -> None:
+    torch.save(optimizer, directory / OPTIMIZER_FILE)
+    torch.save(rng, directory / RNG_FILE)
+    (directory / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+
+def read_state(directory: Path) -> tuple[dict[str, Any], dict, dict[str, Any]]:
+    """(trainer state, optimizer state, rng states); the .pt files are loaded without unpickling code."""
+    try:
+        optimizer = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        rng = torch.load(directory / RNG_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read means this checkpoint cannot be resumed
+        raise ResumeError(f"{directory}: cannot load its optimizer or random states ({type(e).__name__}: {e})") from None
+    return json.loads((directory / STATE_FILE).read_text()), optimizer, rng
+
+
+def prune(root: Path, cfg: CheckpointingConfig) -> None:
+    """With keep_top_k: keep the latest checkpoint and the k best by metric_name; delete the others."""
+    if cfg.keep_top_k is None:
+        return
+    found = complete_checkpoints(root)
+    if len(found) <= cfg.keep_top_k + 1:
+        return
+    latest = found[-1]
+
+    def score(path: Path) -> float:
+        value = json.loads((path / STATE_FILE).read_text()).get("metric")
+        if value is None:
+            return float("-inf")
+        return value if cfg.higher_is_better else -value
+
+    keep = {latest, *sorted(found[:-1], key=score, reverse=True)[: cfg.keep_top_k]}
+    for path in found:
+        if path not in keep:
+            log.info("retention (keep_top_k=%d by %s): removing %s", cfg.keep_top_k, cfg.metric_name, path)
+            shutil.rmtree(path, ignore_errors=True)

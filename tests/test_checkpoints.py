@@ -1,0 +1,50 @@
+"""The actor's checkpoint bookkeeping: which checkpoint a run resumes from, leftovers, retention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actor import checkpoints
+from actor.config import CheckpointingConfig
+
+
+def make(root, step: int, metric: float | None = None, complete: bool = True):
+    d = root / f"step_{step}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / checkpoints.STATE_FILE).write_text(json.dumps({"step": step, "metric": metric}))
+    return d
+
+
+def test_resume_auto_takes_the_latest_complete_checkpoint(tmp_path):
+    make(tmp_path, 2)
+    make(tmp_path, 10)
+    make(tmp_path, 12, complete=False)  # killed while writing its trainer state: not a resume point
+    (tmp_path / "tmp_step_14").mkdir()
+    assert checkpoints.resume_point(CheckpointingConfig(), tmp_path) == tmp_path / "step_10"
+    assert checkpoints.resume_point(CheckpointingConfig(resume="never"), tmp_path) is None
+    assert checkpoints.resume_point(CheckpointingConfig(resume=str(tmp_path / "step_2")), tmp_path) == tmp_path / "step_2"
+    with pytest.raises(checkpoints.ResumeError, match="checkpointing.resume"):
+        checkpoints.resume_point(CheckpointingConfig(resume=str(tmp_path / "step_12")), tmp_path)
+    checkpoints.remove_leftovers(tmp_path)
+    assert not (tmp_path / "tmp_step_14").exists() and (tmp_path / "step_12").exists()
+    assert checkpoints.resume_point(CheckpointingConfig(), tmp_path / "missing") is None
+
+
+def test_keep_top_k_keeps_the_latest_and_the_best(tmp_path):
+    for step, metric in ((1, 0.5), (2, 0.9), (3, None), (4, 0.7), (5, 0.1)):
+        make(tmp_path, step, metric)
+    checkpoints.prune(tmp_path, CheckpointingConfig(keep_top_k=2, metric_name="val/rewards"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_4", "step_5"]  # best two + the latest
+    checkpoints.prune(tmp_path, CheckpointingConfig(keep_top_k=1, metric_name="val/loss", higher_is_better=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
+
+
+def test_retention_and_deadline_settings_are_checked():
+    with pytest.raises(ValueError, match="checkpointing.keep_top_k needs checkpointing.metric_name"):
+        CheckpointingConfig(keep_top_k=3)
+    with pytest.raises(ValueError, match="HH:MM:SS"):
+        CheckpointingConfig(checkpoint_must_save_by="4h")
+    assert CheckpointingConfig(checkpoint_must_save_by="01:02:03:04").must_save_by_s == 86400 + 7200 + 180 + 4
