@@ -16,6 +16,7 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE = "ppo_services"
+DESCRIPTORS = "descriptors.binpb"
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -29,8 +30,12 @@ def generate(out_dir: Path) -> list[Path]:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
+        # with the comments: server reflection hands these to grpcurl and friends (serving/server.py)
+        f"--descriptor_set_out={out_dir / PACKAGE / 'v1' / DESCRIPTORS}",
+        "--include_source_info",
         *(str(p) for p in protos),
     ]
+    (out_dir / PACKAGE / "v1").mkdir(parents=True, exist_ok=True)
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     for pkg_dir in {p.parent for p in out_dir.rglob("*_pb2.py")}:

@@ -84,9 +84,10 @@ def read_pem(path: str | None, key: str) -> bytes | None:
 
 
 def bearer_matches(header: str | None, token: str) -> bool:
-    """True when `header` is `Bearer <token>`; constant time in the token."""
-    presented = (header or "").removeprefix("Bearer ").strip()
-    return hmac.compare_digest(presented.encode(), token.encode())
+    """True when `header` is `Bearer <token>` (the scheme name in any case, RFC 6750); constant time in the token."""
+    scheme, _, presented = (header or "").strip().partition(" ")
+    matches = hmac.compare_digest(presented.strip().encode(), token.encode())
+    return matches and scheme.lower() == "bearer"
 
 
 def is_loopback(host: str) -> bool:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from pydantic import Field
@@ -120,6 +122,31 @@ def rpc_method(name: str) -> Callable:
 
 
 REFLECTION_V1 = "grpc.reflection.v1"
+_DESCRIPTORS = Path(__file__).resolve().parent.parent / "ppo_services" / "v1" / "descriptors.binpb"
+
+
+class DocumentedReflectionServicer(reflection.aio.ReflectionServicer):
+    """Reflection that describes our .proto files with their comments (source info), which the stock servicer
+    drops: `grpcurl describe ppo_services.v1.CriticService.Train` shows what each RPC and field means."""
+
+    def __init__(self, service_names: list[str]):
+        super().__init__(service_names)
+        files = descriptor_pb2.FileDescriptorSet.FromString(_DESCRIPTORS.read_bytes()).file
+        self._documented = {f.name: f.SerializeToString() for f in files}
+
+    def _with_comments(self, response):
+        if response.HasField("file_descriptor_response"):
+            protos = response.file_descriptor_response.file_descriptor_proto
+            for i, raw in enumerate(protos):
+                name = descriptor_pb2.FileDescriptorProto.FromString(raw).name
+                protos[i] = self._documented.get(name, raw)
+        return response
+
+    def _file_by_filename(self, request, filename):
+        return self._with_comments(super()._file_by_filename(request, filename))
+
+    def _file_containing_symbol(self, request, fully_qualified_name):
+        return self._with_comments(super()._file_containing_symbol(request, fully_qualified_name))
 
 
 def add_probe_services(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -130,7 +157,7 @@ def add_probe_services(server: grpc.aio.Server, service_names: list[str]) -> hea
     health_name = add_parsing_service(server, health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"])
     reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
     names = [*service_names, health_name, f"{REFLECTION_V1}.{reflection_service.name}", reflection_service.full_name]
-    reflection_servicer = reflection.aio.ReflectionServicer(names)
+    reflection_servicer = DocumentedReflectionServicer(names)
     add_parsing_service(server, reflection_servicer, reflection_service)
     add_parsing_service(server, reflection_servicer, reflection_service, package=REFLECTION_V1)
     return health_servicer

@@ -549,4 +549,8 @@ def test_reflection_answers_under_v1_and_v1alpha(server, version):
             "grpc.reflection.v1alpha.ServerReflection"} <= names
     files = [descriptor_pb2.FileDescriptorProto.FromString(b)
              for b in answers[1].file_descriptor_response.file_descriptor_proto]
-    assert any(f.name == "ppo_services/v1/reward.proto" and f.service[0].name == "RewardService" for f in files)
+    (reward,) = [f for f in files if f.name == "ppo_services/v1/reward.proto"]
+    assert reward.service[0].name == "RewardService"
+    # the proto's comments travel too, so `grpcurl describe` explains every RPC and field
+    comments = " ".join(loc.leading_comments for loc in reward.source_code_info.location)
+    assert "One reward per sample" in comments

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2_grpc
+from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2, reward_pb2_grpc
 from serving.security import TOKEN_ENV
 from tests.service_procs import ROOT, ServiceProcess, free_port
 
@@ -60,8 +60,12 @@ def reward_tls(embedded_cache, log_dir, pki):
         yield s
 
 
-CRITIC_METHODS = [("Infer", critic_pb2.InferRequest()), ("Train", critic_pb2.TrainRequest()),
-                  ("Save", critic_pb2.SaveRequest(tag="x")), ("GetInfo", common_pb2.GetInfoRequest())]
+ROUTES = {
+    "critic": ("CriticService", [("Infer", critic_pb2.InferRequest()), ("Train", critic_pb2.TrainRequest()),
+                                 ("Save", critic_pb2.SaveRequest(tag="x")), ("Load", critic_pb2.LoadRequest(tag="x")),
+                                 ("GetInfo", common_pb2.GetInfoRequest())]),
+    "reward": ("RewardService", [("Score", reward_pb2.ScoreRequest()), ("GetInfo", common_pb2.GetInfoRequest())]),
+}
 
 
 def call(channel: grpc.Channel, service: str, method: str, request, metadata=()) -> grpc.StatusCode:
@@ -74,14 +78,60 @@ def call(channel: grpc.Channel, service: str, method: str, request, metadata=())
         return e.code()
 
 
-@pytest.mark.parametrize("method, request_", CRITIC_METHODS, ids=[m for m, _ in CRITIC_METHODS])
-def test_every_critic_method_needs_the_token(critic, method, request_):
-    with grpc.insecure_channel(critic.address) as ch:
-        assert call(ch, "CriticService", method, request_) == grpc.StatusCode.UNAUTHENTICATED
-        wrong = [("authorization", "Bearer not-the-token")]
-        assert call(ch, "CriticService", method, request_, wrong) == grpc.StatusCode.UNAUTHENTICATED
-        right = [("authorization", f"Bearer {TOKEN}")]
-        assert call(ch, "CriticService", method, request_, right) != grpc.StatusCode.UNAUTHENTICATED
+@pytest.fixture(scope="module", params=[("critic", "plaintext"), ("critic", "tls"), ("reward", "plaintext"),
+                                        ("reward", "tls")], ids=lambda p: "-".join(p))
+def protected(request, embedded_cache, log_dir, pki, tmp_path_factory):
+    """Each server with the token, over plaintext and over TLS."""
+    kind, transport = request.param
+    args = ["--auth-token-file", str(pki / "token")]
+    if kind == "critic":
+        args += ["--checkpoint-dir", str(tmp_path_factory.mktemp("ckpt"))]
+    tls = {}
+    if transport == "tls":
+        args += ["--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key")]
+        tls = {"ready_scheme": "https", "ready_verify": str(pki / "ca.pem")}
+    with ServiceProcess(kind, *args, log_dir=log_dir, **tls) as server:
+        yield server, kind, transport
+
+
+def open_channel(server: ServiceProcess, transport: str, pki) -> grpc.Channel:
+    if transport == "tls":
+        creds = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes())
+        return grpc.secure_channel(server.address, creds)
+    return grpc.insecure_channel(server.address)
+
+
+def test_every_rpc_needs_the_token(protected, pki):
+    server, kind, transport = protected
+    service, methods = ROUTES[kind]
+    with open_channel(server, transport, pki) as ch:
+        for method, request in methods:
+            assert call(ch, service, method, request) == grpc.StatusCode.UNAUTHENTICATED, method
+            wrong = [("authorization", "Bearer not-the-token")]
+            assert call(ch, service, method, request, wrong) == grpc.StatusCode.UNAUTHENTICATED, method
+            right = [("authorization", f"Bearer {TOKEN}")]
+            assert call(ch, service, method, request, right) != grpc.StatusCode.UNAUTHENTICATED, method
+        # probes stay open: health and reflection need no token
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_every_rest_route_but_the_probes_needs_the_token(protected, pki):
+    server, kind, _ = protected
+    verify = server.tls_context()
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{server.http}{path}", verify=verify, timeout=10).status_code == 200, path
+    routes = [("POST", "/get_reward", {"query": ["river => good"]})] if kind == "reward" else []
+    routes.append(("GET", "/no-such-route", None))
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
+            reply = httpx.request(method, f"{server.http}{path}", json=body, headers=headers, verify=verify, timeout=30)
+            assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", (path, headers)
+        reply = httpx.request(method, f"{server.http}{path}", json=body, verify=verify, timeout=30,
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+        assert reply.status_code == (200 if path == "/get_reward" else 404), path
+    text = httpx.get(f"{server.http}/metrics", verify=verify, timeout=10).text
+    assert f'ppo_{kind}_requests_total{{code="UNAUTHENTICATED",method="no-such-route"}} 3.0' in text
 
 
 def test_probes_stay_open_and_refusals_are_counted(critic):
