@@ -196,6 +196,11 @@ class CriticClient:
         """What the server runs; waits while its model is still loading."""
         return wait_for_info("critic", self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
 
+    def current_info(self) -> critic_pb2.CriticInfo:
+        """GetInfo during a run: retried through an outage of up to critic.outage_timeout_s, like every call."""
+        return retrying(self.stub.GetInfo, common_pb2.GetInfoRequest(), lambda r: r, f"{self.what} GetInfo",
+                        self.cfg, "critic").result()
+
     def infer(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Pending[tuple[torch.Tensor, torch.Tensor | None]]:
         """Values float32 [B, S] (and rewards [B] from a combined server, else None)."""
         req = critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths))

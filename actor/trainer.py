@@ -181,7 +181,7 @@ class PPOTrainer:
         steps between its checkpoint and the last reply) and go on with it."""
         if self.critic is None:
             return
-        info = self.critic.info()
+        info = self.critic.current_info()
         instance, train_step = self.critic_seen
         if info.instance_id != instance or info.train_step < train_step:
             self.critic_restarts += 1
