@@ -598,6 +598,7 @@ def test_a_train_whose_deadline_passes_in_the_queue_is_not_applied(critic, stub)
     step0 = _info(stub).train_step
     expired = _metric(critic, "ppo_critic_expired_trains_total")
     ahead = stub.Train.future(train_request(big, 1.0), timeout=120)
+    time.sleep(0.2)  # let the big one reach the model worker first
     with pytest.raises(grpc.RpcError) as err:
         stub.Train(_with_id(train_request(tokens, 9.0), "run-a/9/0"), timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
