@@ -36,25 +36,17 @@ from serving.modeling import (
     attention_mask_from_lengths,
     max_length_of,
     resolve_device,
-    vocab_sha256,
 )
 from serving.rest import add_ops_routes, start_ops_thread
-from serving.security import load_token
 
 from . import checkpoints
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
-from .clients import (
-    CriticClient,
-    IncompatibleServer,
-    OpenRLHFRewardClient,
-    RemoteError,
-    RewardClient,
-    check_compatible,
-)
+from .clients import RemoteError
 from .config import ActorConfig
-from .data import PromptSampler, load_prompts, require_labels, resolve_data_file, run_id_of
+from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .generation import SamplingParams, TorchGenerationBackend
-from .rollouts import RolloutBatch, RolloutCollector, ScoreFn, text_scorer, token_scorer
+from .rollouts import RolloutBatch, RolloutCollector
+from .servers import Servers
 from .tracking import MetricsTracker, Timers
 
 log = logging.getLogger(__name__)
@@ -105,17 +97,11 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 
         self.run_id = run_id_of(self.run_dir)
-        self.token = load_token(cfg.auth_token_file, "auth_token_file")
-        self.critic, self.critic_restarts, self.critic_seen = None, 0, ("", 0)
-        if cfg.needs_critic:
-            self.critic = CriticClient(cfg.critic, self.token)
-        else:
-            log.info("ppo.adv_estimator.name=%s needs no critic values: no critic server is used", p.adv_estimator.name)
-        self.reward: RewardClient | OpenRLHFRewardClient | None = None
-        score = self._connect()
+        self.servers = Servers(cfg, self.tokenizer, max_length_of(self.policy), self.train_prompts, self.val_prompts)
+        self.critic = self.servers.critic
         self.collector = RolloutCollector(
             policy=self.policy, reference=self.reference, backend=TorchGenerationBackend(self.policy, self.pad_id, self.device),
-            critic=self.critic, score=score, pad_id=self.pad_id, device=self.device,
+            critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers)
 
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
@@ -124,71 +110,6 @@ class PPOTrainer:
         self.start_step = self.restore(self.resume_from) if self.resume_from else 0
         self.tracker = MetricsTracker(self.run_dir, p.max_num_steps, self.registry, cfg.logger.tensorboard_enabled,
                                       resume_step=self.start_step if self.resume_from else None)
-
-    def _connect(self) -> ScoreFn | None:
-        """Check every server this run uses and build the reward request: token ids to a server that shares the
-        policy's tokenizer, decoded texts otherwise (reward.input), or None when the critic serves rewards."""
-        cfg = self.cfg
-        longest = max(len(p.ids) for p in self.train_prompts + self.val_prompts)
-        needed = longest + cfg.policy.generation.max_new_tokens
-        why = f"the longest prompt ({longest} tokens) + policy.generation.max_new_tokens ({cfg.policy.generation.max_new_tokens})"
-        if max_length_of(self.policy) < needed:
-            raise SystemExit(f"the policy accepts at most {max_length_of(self.policy)} tokens, but {why} need {needed}")
-        sha, vocab = vocab_sha256(self.tokenizer), len(self.tokenizer)
-        critic_info = self.critic.info() if self.critic is not None else None
-        if critic_info is not None:
-            check_compatible("critic", critic_info, sha, vocab, needed, why)
-            self.critic_seen = (critic_info.instance_id, critic_info.train_step)
-        labelled = all(p.label is not None for p in self.train_prompts)
-        if cfg.reward.source == "critic":
-            if not critic_info.serves_rewards:
-                raise SystemExit("reward.source=critic needs a combined RM + critic server (critic_server --reward-model ...)")
-            self._require_components(())
-            return None
-        if cfg.reward.source == "openrlhf":
-            self.reward = OpenRLHFRewardClient(cfg.reward, self.token)
-            log.info("rewards from %s (OpenRLHF protocol), texts%s", cfg.reward.url, " and labels" if labelled else "")
-            return text_scorer(self.reward, self.tokenizer)
-        self.reward = RewardClient(cfg.reward, self.token)
-        info = self.reward.info()
-        if info.needs_labels:
-            why_labels = f"the reward server's scorer ({info.model}) compares every response with its prompt's label"
-            require_labels(self.train_prompts, cfg.data.label_key, why_labels)
-            require_labels(self.val_prompts, cfg.data.label_key, why_labels)
-        self._require_components(tuple(info.components))
-        same_vocab = info.vocab_sha256 == sha
-        if cfg.reward.input == "text" or (cfg.reward.input == "auto" and not same_vocab):
-            log.info("reward server %s (%s) gets decoded texts%s", cfg.reward.address, info.model,
-                     "" if same_vocab else ": its tokenizer differs from the policy's")
-            return text_scorer(self.reward, self.tokenizer)
-        check_compatible("rule" if info.kind == "rule" else "reward", info, sha, vocab, needed, why)
-        return token_scorer(self.reward)
-
-    def _require_components(self, available: tuple[str, ...]) -> None:
-        est = self.cfg.ppo.adv_estimator
-        if est.name != "gdpo":
-            return
-        names = est.reward_components or list(available)
-        missing = [n for n in names if n not in available]
-        if missing or len(names) < 2:
-            raise IncompatibleServer(
-                f"ppo.adv_estimator.name=gdpo needs at least two reward components; the reward source reports "
-                f"{list(available)}, ppo.adv_estimator.reward_components asks for {names}: start the reward server "
-                "with components=[...], e.g. components=[positive_fraction,no_negative]")
-
-    def watch_critic(self) -> None:
-        """Notice a critic that restarted since the last step (a new instance id): log what it lost (the train
-        steps between its checkpoint and the last reply) and go on with it."""
-        if self.critic is None:
-            return
-        info = self.critic.current_info()
-        instance, train_step = self.critic_seen
-        if info.instance_id != instance or info.train_step < train_step:
-            self.critic_restarts += 1
-            log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last "
-                        "reply was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address,
-                        instance[:8], info.instance_id[:8], info.train_step, train_step, max(0, train_step - info.train_step))
-        self.critic_seen = (info.instance_id, info.train_step)
 
     # --- the policy update ----------------------------------------------------------------------
     def _group_order(self, group_ids: torch.Tensor) -> torch.Tensor:
@@ -263,7 +184,7 @@ class PPOTrainer:
     def step(self, step: int) -> tuple[dict[str, float], RolloutBatch]:
         cfg, t = self.cfg, self.timers
         p, lf, kc = cfg.ppo, cfg.loss_fn, cfg.ppo.kl_controller
-        self.watch_critic()
+        self.servers.watch_critic()
         with t("rollout_time"):
             batch, gen_batches = self.collector.collect(
                 self.sampler, self.sampling, seed=p.seed + step, num_prompts=p.num_prompts_per_step,
@@ -322,9 +243,9 @@ class PPOTrainer:
             **{f"train_optim/{k}": float(v) for k, v in is_metrics.items()},
         })
         if critic is not None:
-            self.critic_seen = (self.critic_seen[0], critic.train_step)
+            self.servers.critic_at(critic.train_step)
             metrics.update({"critic/loss": critic.loss, "critic/train_step": float(critic.train_step),
-                            "critic/restarts": float(self.critic_restarts),
+                            "critic/restarts": float(self.servers.critic_restarts),
                             **{f"critic/{k}": v for k, v in critic.metrics.items()}})
         # advantages as the estimator gave them, before whitening (NeMo-Aligner logs these too)
         stats = {"advantages": raw_advantages, "returns": returns, "values": values}
@@ -409,7 +330,7 @@ class PPOTrainer:
                 log.warning("%s holds no critic checkpoint: the critic keeps its present weights", directory)
             else:
                 path, train_step = self.critic.load(state["critic_tag"])
-                self.critic_seen = (self.critic_seen[0], train_step)
+                self.servers.critic_at(train_step)
                 log.info("the critic returned to %s (train step %d)", path, train_step)
         log.info("resuming after step %d from %s (%d samples consumed)", state["step"], directory,
                  state["consumed_samples"])
@@ -474,9 +395,6 @@ class PPOTrainer:
     def close(self) -> None:
         self.ready = False
         self.tracker.close()
-        if self.critic is not None:
-            self.critic.close()
-        if self.reward is not None:
-            self.reward.close()
+        self.servers.close()
         if self.ops is not None:
             self.ops.should_exit = True

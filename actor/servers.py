@@ -1,0 +1,114 @@
+"""The remote servers one run uses: connecting (checked for compatibility at start-up), the reward request the
+run makes (token ids or decoded texts, gRPC or OpenRLHF's protocol, or the critic's own rewards), and noticing a
+critic that restarted during the run."""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import PreTrainedTokenizerBase
+
+from serving.modeling import vocab_sha256
+from serving.security import load_token
+
+from .clients import CriticClient, IncompatibleServer, OpenRLHFRewardClient, RewardClient, check_compatible
+from .config import ActorConfig
+from .data import Prompt, require_labels
+from .rollouts import ScoreFn, text_scorer, token_scorer
+
+log = logging.getLogger(__name__)
+
+
+class Servers:
+    """`critic` (None when the estimator needs no values), `reward` (None when the critic serves rewards) and
+    `score`, the reward request of every generation batch."""
+
+    def __init__(self, cfg: ActorConfig, tokenizer: PreTrainedTokenizerBase, policy_max_length: int,
+                 train_prompts: list[Prompt], val_prompts: list[Prompt]):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.train_prompts, self.val_prompts = train_prompts, val_prompts
+        self.token = load_token(cfg.auth_token_file, "auth_token_file")
+        self.critic: CriticClient | None = None
+        self.critic_restarts, self.critic_seen = 0, ("", 0)
+        if cfg.needs_critic:
+            self.critic = CriticClient(cfg.critic, self.token)
+        else:
+            log.info("ppo.adv_estimator.name=%s needs no critic values: no critic server is used",
+                     cfg.ppo.adv_estimator.name)
+        self.reward: RewardClient | OpenRLHFRewardClient | None = None
+        self.score = self._connect(policy_max_length)
+
+    def _connect(self, policy_max_length: int) -> ScoreFn | None:
+        """Check every server this run uses and build the reward request: token ids to a server that shares the
+        policy's tokenizer, decoded texts otherwise (reward.input), or None when the critic serves rewards."""
+        cfg = self.cfg
+        longest = max(len(p.ids) for p in self.train_prompts + self.val_prompts)
+        needed = longest + cfg.policy.generation.max_new_tokens
+        why = f"the longest prompt ({longest} tokens) + policy.generation.max_new_tokens ({cfg.policy.generation.max_new_tokens})"
+        if policy_max_length < needed:
+            raise SystemExit(f"the policy accepts at most {policy_max_length} tokens, but {why} need {needed}")
+        sha, vocab = vocab_sha256(self.tokenizer), len(self.tokenizer)
+        critic_info = self.critic.info() if self.critic is not None else None
+        if critic_info is not None:
+            check_compatible("critic", critic_info, sha, vocab, needed, why)
+            self.critic_seen = (critic_info.instance_id, critic_info.train_step)
+        labelled = all(p.label is not None for p in self.train_prompts)
+        if cfg.reward.source == "critic":
+            if not critic_info.serves_rewards:
+                raise SystemExit("reward.source=critic needs a combined RM + critic server (critic_server --reward-model ...)")
+            self._require_components(())
+            return None
+        if cfg.reward.source == "openrlhf":
+            self.reward = OpenRLHFRewardClient(cfg.reward, self.token)
+            log.info("rewards from %s (OpenRLHF protocol), texts%s", cfg.reward.url, " and labels" if labelled else "")
+            return text_scorer(self.reward, self.tokenizer)
+        self.reward = RewardClient(cfg.reward, self.token)
+        info = self.reward.info()
+        if info.needs_labels:
+            why_labels = f"the reward server's scorer ({info.model}) compares every response with its prompt's label"
+            require_labels(self.train_prompts, cfg.data.label_key, why_labels)
+            require_labels(self.val_prompts, cfg.data.label_key, why_labels)
+        self._require_components(tuple(info.components))
+        same_vocab = info.vocab_sha256 == sha
+        if cfg.reward.input == "text" or (cfg.reward.input == "auto" and not same_vocab):
+            log.info("reward server %s (%s) gets decoded texts%s", cfg.reward.address, info.model,
+                     "" if same_vocab else ": its tokenizer differs from the policy's")
+            return text_scorer(self.reward, self.tokenizer)
+        check_compatible("rule" if info.kind == "rule" else "reward", info, sha, vocab, needed, why)
+        return token_scorer(self.reward)
+
+    def _require_components(self, available: tuple[str, ...]) -> None:
+        est = self.cfg.ppo.adv_estimator
+        if est.name != "gdpo":
+            return
+        names = est.reward_components or list(available)
+        missing = [n for n in names if n not in available]
+        if missing or len(names) < 2:
+            raise IncompatibleServer(
+                f"ppo.adv_estimator.name=gdpo needs at least two reward components; the reward source reports "
+                f"{list(available)}, ppo.adv_estimator.reward_components asks for {names}: start the reward server "
+                "with components=[...], e.g. components=[positive_fraction,no_negative]")
+
+    def critic_at(self, train_step: int) -> None:
+        """The critic's train step as its last reply gave it."""
+        self.critic_seen = (self.critic_seen[0], train_step)
+
+    def watch_critic(self) -> None:
+        """Notice a critic that restarted since the last step (a new instance id): log what it lost (the train
+        steps between its checkpoint and the last reply) and go on with it."""
+        if self.critic is None:
+            return
+        info = self.critic.current_info()
+        instance, train_step = self.critic_seen
+        if info.instance_id != instance or info.train_step < train_step:
+            self.critic_restarts += 1
+            log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last "
+                        "reply was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address,
+                        instance[:8], info.instance_id[:8], info.train_step, train_step, max(0, train_step - info.train_step))
+        self.critic_seen = (info.instance_id, info.train_step)
+
+    def close(self) -> None:
+        if self.critic is not None:
+            self.critic.close()
+        if self.reward is not None:
+            self.reward.close()
