@@ -19,7 +19,7 @@ import torch
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
 from serving.security import BearerClientInterceptor, read_pem
-from serving.server import grpc_options
+from serving.wire import grpc_options
 
 from .config import RemoteConfig, RewardConfig
 
@@ -77,10 +77,11 @@ class Pending(Generic[T]):
         return Mapped(self, convert)
 
 
-def retrying(method, request, convert: Callable, what: str, cfg: RemoteConfig, name: str) -> Pending:
-    """`method(request)` as a Pending that is started again while the server is unavailable (idempotent calls)."""
-    return Pending(lambda: method.future(request, timeout=cfg.timeout_s), convert, what, cfg.outage_timeout_s,
-                   f"{name}.outage_timeout_s")
+def retrying(method, request, convert: Callable, what: str, cfg: RemoteConfig, name: str, retry: bool = True) -> Pending:
+    """`method(request)` as a Pending that, for an idempotent call (`retry`), is started again while the server is
+    unavailable, for up to `<name>.outage_timeout_s`."""
+    return Pending(lambda: method.future(request, timeout=cfg.timeout_s), convert, what,
+                   cfg.outage_timeout_s if retry else 0.0, f"{name}.outage_timeout_s")
 
 
 class Mapped(Generic[T]):
@@ -218,11 +219,8 @@ class CriticClient:
         req = critic_pb2.TrainRequest(tokens=encode(tokens), lengths=encode(lengths), returns=encode(returns.float()),
                                       old_values=encode(old_values.float()), mask=encode(mask.float()),
                                       value_clip=value_clip, loss_scale=loss_scale, request_id=request_id)
-        if not request_id:
-            return Pending(lambda: self.stub.Train.future(req, timeout=self.cfg.timeout_s),
-                           lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step), f"{self.what} Train")
         return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step),
-                        f"{self.what} Train", self.cfg, "critic")
+                        f"{self.what} Train", self.cfg, "critic", retry=bool(request_id))
 
     def save(self, tag: str) -> str:
         """Checkpoint the critic; returns the directory written on the server."""
@@ -335,6 +333,7 @@ class OpenRLHFRewardClient:
 
 def check_compatible(name: str, info, vocab_sha256: str, vocab_size: int, needed_length: int, why: str) -> None:
     """Fail at start-up, with a message saying what differs, if a server cannot take this actor's token ids."""
+    server = "reward" if name == "rule" else name
     if info.vocab_sha256 and info.vocab_sha256 != vocab_sha256:
         fix = {
             "critic": "the critic must share the policy's tokenizer (it scores every policy token): serve a critic "
@@ -344,17 +343,15 @@ def check_compatible(name: str, info, vocab_sha256: str, vocab_size: int, needed
             "rule": "the rule scorer decodes token ids with the reward server's `tokenizer` key: start it with "
                     "tokenizer=<the policy's path>, or set reward.input=text (or auto)",
         }[name]
-        server = "reward" if name == "rule" else name
         raise IncompatibleServer(
             f"the {server} server's model {info.model!r} uses a different tokenizer vocabulary than the policy "
             f"(vocab sha256 {info.vocab_sha256[:12]} vs {vocab_sha256[:12]}); {fix}"
         )
-    name = "reward" if name == "rule" else name
     if info.vocab_size < vocab_size:
-        raise IncompatibleServer(f"the {name} server's model {info.model!r} has vocab size {info.vocab_size}, "
+        raise IncompatibleServer(f"the {server} server's model {info.model!r} has vocab size {info.vocab_size}, "
                                  f"smaller than the policy's {vocab_size}")
     if info.max_length < needed_length:
         raise IncompatibleServer(
-            f"the {name} server's model {info.model!r} accepts at most {info.max_length} tokens, but {why} "
+            f"the {server} server's model {info.model!r} accepts at most {info.max_length} tokens, but {why} "
             f"need {needed_length}"
         )

@@ -26,6 +26,7 @@ from algorithms import (
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
+    masked_sum,
     masked_var,
     policy_loss,
     truncated_importance_weights,
@@ -165,7 +166,7 @@ class PPOTrainer:
                                           ("dual_clipfrac", "dual_clipfrac"), ("approx_kl", "approx_kl"),
                                           ("kl_penalty", "kl_penalty")):
                             sums[name] += float(stats.get(key, 0.0)) * k
-                        sums["entropy"] += float(masked_mean(entropy.detach(), mk)) * k
+                        sums["entropy"] += float(masked_sum(entropy.detach(), mk))
                         ratio_min = min(ratio_min, float(stats["ratio_min"]))
                         ratio_max = max(ratio_max, float(stats["ratio_max"]))
                 grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
@@ -317,8 +318,7 @@ class PPOTrainer:
         returned to its checkpoint of the same step. Returns the step the checkpoint finished."""
         state, optimizer, rng = checkpoints.read_state(directory)
         self.optimizer.load_state_dict(optimizer)
-        sampler = rng["sampler"]
-        self.sampler.load_state_dict(sampler)
+        self.sampler.load_state_dict(rng["sampler"])
         self.shuffle_gen.set_state(rng["shuffle"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():

@@ -75,7 +75,7 @@ class CriticCore:
         """The max_length load() will find, from the configs of the checkpoint it will start from and of the reward
         model, without loading them; None when one cannot be read."""
         cfg = self.cfg
-        latest = newest_checkpoint(Path(cfg.checkpoint_dir)) if cfg.resume == "latest" else None
+        latest = self._start_checkpoint()
         specs = [str(latest) if latest is not None else cfg.model, *([cfg.reward_model] if cfg.reward_model else [])]
         lengths = [max_length_before_loading(spec) for spec in specs]
         return None if None in lengths else min(lengths)
@@ -83,7 +83,7 @@ class CriticCore:
     def load(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        latest = newest_checkpoint(Path(cfg.checkpoint_dir)) if cfg.resume == "latest" else None
+        latest = self._start_checkpoint()
         if latest is not None:
             path = str(latest)
             self.source = str(latest.resolve())
@@ -100,12 +100,7 @@ class CriticCore:
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         if (Path(path) / OPTIMIZER_FILE).is_file():  # resuming from one of our own checkpoints
-            self.optimizer.load_state_dict(load_optimizer_state(Path(path) / OPTIMIZER_FILE, self.device))
-            for group in self.optimizer.param_groups:  # the moments resume; the configured hyperparameters win
-                group.update(lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-            state = json.loads((Path(path) / STATE_FILE).read_text())
-            self.train_step = state["train_step"]
-            self.window.load_json(state.get("dedupe_window", []))
+            self._load_training_state(Path(path))
             log.info("resumed critic optimizer state at train step %d from %s (%d Train request ids remembered)",
                      self.train_step, path, len(self.window))
         self.model.eval()
@@ -119,6 +114,20 @@ class CriticCore:
             self.max_length = min(self.max_length, max_length_of(self.reward_model))
         log.info("critic %s loaded on %s (vocab %d, max length %d, combined RM: %s)",
                  cfg.model, self.device, self.vocab_size, self.max_length, cfg.reward_model)
+
+    def _start_checkpoint(self) -> Path | None:
+        """The checkpoint load() starts from: the newest of this server's with resume=latest, else None."""
+        return newest_checkpoint(Path(self.cfg.checkpoint_dir)) if self.cfg.resume == "latest" else None
+
+    def _load_training_state(self, path: Path) -> None:
+        """Optimizer moments, train step and request-id window of checkpoint `path` (at start-up and on Load);
+        the configured learning rate and weight decay win over the saved ones."""
+        self.optimizer.load_state_dict(load_optimizer_state(path / OPTIMIZER_FILE, self.device))
+        for group in self.optimizer.param_groups:
+            group.update(lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+        state = json.loads((path / STATE_FILE).read_text())
+        self.train_step = int(state["train_step"])
+        self.window.load_json(state.get("dedupe_window", []), replace=True)  # the ids the checkpoint had applied
 
     def info(self) -> dict:
         return {
@@ -318,7 +327,6 @@ class CriticCore:
             prune_checkpoints(root, self.cfg.keep_last, final, started)
         return str(final.resolve()), self.train_step
 
-
     def restore(self, tag: str) -> tuple[str, int]:
         """Go back to <checkpoint_dir>/<tag>, one of this server's checkpoints: weights, optimizer state, train
         step and the request-id window. Returns (path, train_step)."""
@@ -327,12 +335,7 @@ class CriticCore:
             raise NotFound(f"tag: no checkpoint of this critic at {path}")
         saved = load_scalar_head_model(str(path), TORCH_DTYPES[self.cfg.dtype])
         self.model.load_state_dict(saved.state_dict())
-        self.optimizer.load_state_dict(load_optimizer_state(path / OPTIMIZER_FILE, self.device))
-        for group in self.optimizer.param_groups:  # as at start-up: the moments resume, the configured values win
-            group.update(lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
-        state = json.loads((path / STATE_FILE).read_text())
-        self.train_step = int(state["train_step"])
-        self.window.load_json(state.get("dedupe_window", []), replace=True)  # the ids the checkpoint had applied
+        self._load_training_state(path)
         self.source, self.unsaved = str(path.resolve()), False
         log.info("returned to checkpoint %s at train step %d", path, self.train_step)
         return str(path.resolve()), self.train_step

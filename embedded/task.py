@@ -87,19 +87,20 @@ def positive_fraction(response_text: str) -> float:
     counts in the denominator, so topic words, the separator and out-of-vocabulary words dilute the
     reward. A response with no words scores 0.0.
     """
-    words = response_words(response_text)
-    if not words:
-        return 0.0
-    return sum(w in _POSITIVE for w in words) / len(words)
+    return _fraction_in(response_text, _POSITIVE)
 
 
 def negative_fraction(response_text: str) -> float:
     """(#negative words) / (#words), in [0, 1], with the word rules of :func:`positive_fraction`.
     A response with no words scores 0.0."""
+    return _fraction_in(response_text, _NEGATIVE)
+
+
+def _fraction_in(response_text: str, vocabulary: frozenset[str]) -> float:
     words = response_words(response_text)
     if not words:
         return 0.0
-    return sum(w in _NEGATIVE for w in words) / len(words)
+    return sum(w in vocabulary for w in words) / len(words)
 
 
 def response_words(response_text: str) -> list[str]:

@@ -7,7 +7,7 @@ import random
 import grpc
 import pytest
 
-from serving.server import grpc_options
+from serving.wire import grpc_options
 
 
 def channel(address: str) -> grpc.Channel:

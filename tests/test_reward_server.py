@@ -29,7 +29,7 @@ from serving.modeling import (
     per_token_scores,
     vocab_sha256,
 )
-from serving.server import grpc_options
+from serving.wire import grpc_options
 from tests.service_procs import ROOT, ServiceProcess
 
 SCORE = "/ppo_services.v1.RewardService/Score"
