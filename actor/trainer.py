@@ -313,6 +313,9 @@ class PPOTrainer:
         checkpoints.prune(root, self.cfg.checkpointing)
         return final
 
+    def _checkpointed(self, step: int) -> bool:
+        return (self.run_dir / "checkpoints" / f"step_{step}").exists()
+
     def restore(self, directory: Path) -> int:
         """Continue from a checkpoint: optimizer, data position, random states, KL coefficient, and the critic
         returned to its checkpoint of the same step. Returns the step the checkpoint finished."""
@@ -355,7 +358,8 @@ class PPOTrainer:
             try:
                 metrics, last_batch = self.step(step)
             except RemoteError:  # a server stayed away longer than its outage bound: keep what is done, then stop
-                if cfg.checkpointing.enabled and step > 1:
+                # never over a checkpoint already written (it may hold the critic's, which is now out of reach)
+                if cfg.checkpointing.enabled and step - 1 > self.start_step and not self._checkpointed(step - 1):
                     path = self.save_checkpoint(step - 1)
                     self.tracker.write(f"a server is unavailable: checkpoint of step {step - 1} at {path}")
                 raise
@@ -380,8 +384,7 @@ class PPOTrainer:
                 self.tracker.write(f"stopping after step {step}: checkpointing.checkpoint_must_save_by "
                                    f"({ck.checkpoint_must_save_by}) reached")
                 break
-        if cfg.checkpointing.enabled and step > self.start_step and \
-                not (self.run_dir / "checkpoints" / f"step_{step}").exists():
+        if cfg.checkpointing.enabled and step > self.start_step and not self._checkpointed(step):
             self.save_checkpoint(step)  # stopped early by max_num_epochs
         if n_print and last_batch is not None:
             self.tracker.write("samples after training:\n" + self.samples_table(last_batch, n_print))
