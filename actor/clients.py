@@ -212,13 +212,15 @@ class CriticClient:
         return retrying(self.stub.Infer, req, convert, f"{self.what} Infer", self.cfg, "critic")
 
     def train(self, tokens: torch.Tensor, lengths: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
-              mask: torch.Tensor, value_clip: float, loss_scale: float, request_id: str = "") -> Pending[TrainResult]:
-        """One critic training pass; `lengths` gives the attention mask inference used, the value-loss
+              mask: torch.Tensor, value_clip: float, loss_scale: float, request_id: str = "",
+              epochs: int = 1) -> Pending[TrainResult]:
+        """`epochs` critic training passes; `lengths` gives the attention mask inference used, the value-loss
         settings travel with the request (the actor's value_loss_fn). With a `request_id` the server applies it
         at most once, so the call is retried like the idempotent ones."""
         req = critic_pb2.TrainRequest(tokens=encode(tokens), lengths=encode(lengths), returns=encode(returns.float()),
                                       old_values=encode(old_values.float()), mask=encode(mask.float()),
-                                      value_clip=value_clip, loss_scale=loss_scale, request_id=request_id)
+                                      value_clip=value_clip, loss_scale=loss_scale, request_id=request_id,
+                                      epochs=epochs)
         return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step),
                         f"{self.what} Train", self.cfg, "critic", retry=bool(request_id))
 

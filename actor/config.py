@@ -57,6 +57,7 @@ class RewardConfig(RemoteConfig):
 
 class CriticConfig(RemoteConfig):
     address: str = Field("127.0.0.1:5555", description="host:port of the critic server (used only by estimators that need values: gae).")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="Critic passes over each step's batch (Train's epochs); ppo.ppo_epochs trains the critic every epoch, as TRL trains its value model.")
 
 
 class GenerationConfig(StrictModel):
@@ -71,6 +72,8 @@ class GenerationConfig(StrictModel):
     val_temperature: float = Field(0.0, ge=0, description="Validation temperature; 0 (the default) is greedy.")
     val_top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus mass.")
     val_top_k: int | None = Field(None, ge=1, description="Validation top-k; null disables.")
+    ignore_eos: bool = Field(False, description="Generate max_new_tokens for every sample, EOS or not (benchmarks); stop_token_ids still stop.")
+    reuse_logprobs: bool = Field(False, description="Take the rollout policy's log-probs from generation instead of a separate forward pass; the torch backend samples from the policy itself, so they differ only by float rounding (docs/PERFORMANCE.md gives the measured error).")
 
 
 class OptimizerKwargs(StrictModel):
@@ -314,6 +317,10 @@ class ActorConfig(StrictModel):
         if self.loss_fn.truncated_importance_sampling_type and not self.loss_fn.use_importance_sampling_correction:
             raise ValueError("loss_fn.truncated_importance_sampling_type is set but "
                              "loss_fn.use_importance_sampling_correction is false")
+        if self.policy.generation.reuse_logprobs and self.loss_fn.use_importance_sampling_correction:
+            raise ValueError("policy.generation.reuse_logprobs=true makes the policy's log-probs the generation "
+                             "engine's, so loss_fn.use_importance_sampling_correction would correct nothing: "
+                             "turn one of them off")
         return self
 
     @property

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algorithms import groups_with_signal, logprobs_from_logits
-from serving.modeling import attention_mask_from_lengths, pad_and_stack
+from serving.modeling import attention_mask_from_lengths, by_length, pad_and_stack
 
 from .clients import CriticClient, OpenRLHFRewardClient, Pending, RewardClient, Scores, label_text
 from .data import Prompt, PromptSampler
@@ -130,23 +130,25 @@ class RolloutCollector:
 
     def __init__(self, *, policy: PreTrainedModel, reference: PreTrainedModel | None, backend: GenerationBackend,
                  critic: CriticClient | None, score: ScoreFn | None, pad_id: int, device: torch.device,
-                 generation_batch_size: int, logprob_batch_size: int, timers: Timers):
+                 generation_batch_size: int, logprob_batch_size: int, timers: Timers, reuse_logprobs: bool = False):
         self.policy, self.reference, self.backend = policy, reference, backend
         self.critic, self.score = critic, score  # score None: rewards come with the critic's values (combined)
         self.pad_id, self.device = pad_id, device
         self.generation_batch_size, self.logprob_batch_size = generation_batch_size, logprob_batch_size
         self.timers = timers
+        self.reuse_logprobs = reuse_logprobs  # the policy's log-probs are generation's (the backend samples the policy)
         self.next_group = 0  # group ids stay unique across steps (and across a resume)
 
     def logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Log-prob of each next token, float32 [B, S-1], in batches of logprob_batch_size, without gradients."""
-        out = []
+        """Log-prob of each next token, float32 [B, S-1] (0 past each row's end), without gradients, in passes of
+        at most logprob_batch_size rows of similar length trimmed to their longest row."""
+        def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=tok, attention_mask=attention_mask_from_lengths(n, tok.shape[1])).logits
+            lp = logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:])
+            return lp * attention_mask_from_lengths(n - 1, lp.shape[1])
+
         with torch.no_grad():
-            for i in range(0, tokens.shape[0], self.logprob_batch_size):
-                tok, n = tokens[i:i + self.logprob_batch_size].to(self.device), lengths[i:i + self.logprob_batch_size].to(self.device)
-                logits = model(input_ids=tok, attention_mask=attention_mask_from_lengths(n, tok.shape[1])).logits
-                out.append(logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:]).cpu())
-        return torch.cat(out)
+            return by_length(pass_, tokens, lengths, self.logprob_batch_size, self.device)
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, seed: int, generations: int = 1,
                  batch_size: int | None = None, train: bool = True) -> RolloutBatch:
@@ -164,12 +166,17 @@ class RolloutCollector:
             with t("generate"):
                 r = self.backend.generate([p.ids for p in rows[i:i + step]], params, seed=seed * 100_003 + i)
             chunk_labels = None if labels is None else labels[i:i + step]
-            values = self.critic.infer(r.tokens, r.lengths) if self.critic is not None and (train or self.score is None) else None
-            scores = self.score(r, chunk_labels) if self.score is not None else values.then(lambda vr: (vr[1], {}))
+            with t("transfer"):  # requests encoded and sent; the replies are awaited below
+                values = (self.critic.infer(r.tokens, r.lengths)
+                          if self.critic is not None and (train or self.score is None) else None)
+                scores = self.score(r, chunk_labels) if self.score is not None else values.then(lambda vr: (vr[1], {}))
             lp = ref = None
             if train:
-                with t("logprobs"):
-                    lp = self.logprobs(self.policy, r.tokens, r.lengths)
+                if self.reuse_logprobs:
+                    lp = r.logprobs
+                else:
+                    with t("logprobs"):
+                        lp = self.logprobs(self.policy, r.tokens, r.lengths)
                 if self.reference is not None:
                     with t("init_logprobs"):
                         ref = self.logprobs(self.reference, r.tokens, r.lengths)

@@ -34,6 +34,36 @@ class Timers:
         return out
 
 
+# (label, timers summed) of the step-time breakdown; "other" is the rest of the step (checkpoints, metrics, the
+# advantage computation, Python between phases)
+PHASES = (
+    ("generation", ("generate",)),
+    ("log-probs", ("logprobs", "init_logprobs")),
+    ("transfer", ("transfer",)),
+    ("critic/reward wait", ("critic_wait",)),
+    ("actor train", ("train_time",)),
+    ("critic train wait", ("critic_train_wait",)),
+    ("validation", ("validation_time",)),
+)
+
+
+def step_breakdown(step: int, metrics: dict[str, float]) -> str:
+    """One line: where the step's wall-clock time went, by phase, with the critic's own training time (which
+    overlaps the actor's training) in brackets; also stores timers/other in `metrics`."""
+    total = metrics.get("timers/step_time", 0.0)
+    parts, accounted = [], 0.0
+    for label, names in PHASES:
+        seconds = sum(metrics.get(f"timers/{n}", 0.0) for n in names)
+        if seconds > 0 or label in ("generation", "actor train"):
+            parts.append(f"{label} {seconds:.2f}")
+            accounted += seconds
+    metrics["timers/other"] = max(total - accounted, 0.0)
+    parts.append(f"other {metrics['timers/other']:.2f}")
+    critic = metrics.get("critic/train_seconds")
+    overlap = f" [critic trained {critic:.2f} s alongside]" if critic is not None else ""
+    return f"step {step} time {total:.2f} s: " + " | ".join(parts) + overlap
+
+
 class MetricsTracker:
     def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry, tensorboard: bool = True,
                  resume_step: int | None = None):

@@ -35,6 +35,7 @@ from embedded import resolve_model
 from serving.modeling import (
     TORCH_DTYPES,
     attention_mask_from_lengths,
+    length_buckets,
     max_length_of,
     resolve_device,
 )
@@ -48,7 +49,7 @@ from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .generation import SamplingParams, TorchGenerationBackend
 from .rollouts import RolloutBatch, RolloutCollector
 from .servers import Servers
-from .tracking import MetricsTracker, Timers
+from .tracking import MetricsTracker, Timers, step_breakdown
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class PPOTrainer:
             self.reference = AutoModelForCausalLM.from_pretrained(resolve_model(pol.reference_model_name or pol.model_name), dtype=dtype)
             self.reference.to(self.device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), **pol.optimizer.kwargs.model_dump())
-        stops = (self.tokenizer.eos_token_id, *(gen.stop_token_ids or []))
+        stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops)
         self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops)
 
@@ -103,7 +104,8 @@ class PPOTrainer:
         self.collector = RolloutCollector(
             policy=self.policy, reference=self.reference, backend=TorchGenerationBackend(self.policy, self.pad_id, self.device),
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
-            generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers)
+            generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
+            reuse_logprobs=gen.reuse_logprobs)
 
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
         self.shape_rewards = RewardPipeline(cfg)
@@ -138,9 +140,9 @@ class PPOTrainer:
                 n_tokens = float(loss_mask[idx].sum().clamp(min=1))
                 n_seqs = float((loss_mask[idx].sum(1) > 0).sum().clamp(min=1))
                 self.optimizer.zero_grad(set_to_none=True)
-                for m in range(0, len(idx), pol.train_micro_batch_size):
-                    mi = idx[m:m + pol.train_micro_batch_size]
-                    w = int(lengths[mi].max())  # trim the micro-batch to its longest row
+                for bucket in length_buckets(lengths[idx], pol.train_micro_batch_size):
+                    mi = idx[bucket]  # rows of similar length, trimmed to the longest: no work on padding
+                    w = int(lengths[mi].max())
 
                     def rows(x: torch.Tensor | None, mi: torch.Tensor = mi, w: int = w) -> torch.Tensor | None:
                         return None if x is None else x[mi, :w - 1].to(self.device)
@@ -217,8 +219,10 @@ class PPOTrainer:
         critic_train = None
         if returns is not None and self.critic is not None:  # not awaited: the critic trains while the policy does
             vl = cfg.value_loss_fn
-            critic_train = self.critic.train(r.tokens, r.lengths, returns, values, mask, vl.cliprange or 0.0, vl.scale,
-                                             request_id=f"{self.run_id}/{step}/0")
+            with t("transfer"):
+                    critic_train = self.critic.train(r.tokens, r.lengths, returns, values, mask, vl.cliprange or 0.0,
+                                                 vl.scale, request_id=f"{self.run_id}/{step}/0",
+                                                 epochs=cfg.critic.ppo_epochs)
         metrics: dict[str, float] = {}
         if step >= p.policy_training_start_step:
             with t("train_time"):
@@ -371,6 +375,7 @@ class PPOTrainer:
                 metrics.update(self.validate())
             metrics.update(self.timers.pop())
             metrics["timers/step_time"] = time.perf_counter() - start
+            self.tracker.write(step_breakdown(step, metrics))
             metrics["consumed_samples"] = float(self.sampler.consumed)
             self.tracker.log(step, metrics)
             ck = cfg.checkpointing

@@ -24,6 +24,7 @@ from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.modeling import (
     TORCH_DTYPES,
     last_token_scores,
+    length_buckets,
     load_scalar_head_model,
     load_tokenizer,
     max_length_before_loading,
@@ -45,6 +46,7 @@ TAG_RULE = "1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter
 TMP_PREFIX = ".tmp-"  # cannot collide with a tag, which never starts with '.'
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
+MAX_EPOCHS = 64  # passes over one Train's batch
 
 
 @dataclass
@@ -58,6 +60,7 @@ class TrainInput:
     mask: torch.Tensor  # float32 [B, S-1], 0 or 1
     value_clip: float
     loss_scale: float
+    epochs: int = 1  # passes over the batch
 
 
 class CriticCore:
@@ -149,19 +152,19 @@ class CriticCore:
 
     @torch.inference_mode()
     def infer_batch(self, requests: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Values [B_i, S_i] (and rewards [B_i] in combined mode) for each (tokens, lengths) request,
-        computed in forward passes of at most max_batch_size rows."""
+        """Values [B_i, S_i] (and rewards [B_i] in combined mode) for each (tokens, lengths) request, computed
+        in forward passes of at most max_batch_size rows of similar length, each trimmed to its longest row
+        (padding positions are 0 either way)."""
         tokens = pad_and_stack([t for t, _ in requests])
         lengths = torch.cat([n for _, n in requests])
-        step = self.cfg.batching.max_batch_size
-        values, rewards = [], []
-        for i in range(0, tokens.shape[0], step):
-            tok, n = tokens[i:i + step].to(self.device), lengths[i:i + step].to(self.device)
-            values.append(per_token_scores(self.model, tok, n).cpu())
-            if self.reward_model is not None:
-                rewards.append(last_token_scores(per_token_scores(self.reward_model, tok, n), n).cpu())
-        all_values = torch.cat(values)
-        all_rewards = torch.cat(rewards) if rewards else None
+        all_values = torch.zeros(tokens.shape, dtype=torch.float32)
+        all_rewards = torch.zeros(tokens.shape[0]) if self.reward_model is not None else None
+        for idx in length_buckets(lengths, self.cfg.batching.max_batch_size):
+            w = int(lengths[idx].max())
+            tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
+            all_values[idx, :w] = per_token_scores(self.model, tok, n).cpu()
+            if all_rewards is not None:
+                all_rewards[idx] = last_token_scores(per_token_scores(self.reward_model, tok, n), n).cpu()
         out, row = [], 0
         for t, _ in requests:
             b, s = t.shape
@@ -172,9 +175,12 @@ class CriticCore:
     # --- training -------------------------------------------------------------------------------
     def validate_train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor,
                        lengths: torch.Tensor | None = None, value_clip: float | None = None,
-                       loss_scale: float | None = None) -> TrainInput:
-        """Check a Train request; `lengths`, `value_clip` and `loss_scale` are None when the request leaves
-        them unset (all positions valid; the server's train.value_clip and train.loss_scale)."""
+                       loss_scale: float | None = None, epochs: int | None = None) -> TrainInput:
+        """Check a Train request; `lengths`, `value_clip`, `loss_scale` and `epochs` are None when the request
+        leaves them unset (all positions valid; the server's train.value_clip and train.loss_scale; 1 pass)."""
+        if epochs is not None and not 0 <= epochs <= MAX_EPOCHS:
+            raise InvalidArgument(f"epochs: expected 1 to {MAX_EPOCHS} passes over the batch (0 or unset: 1), "
+                                  f"got {epochs}")
         check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
         b, s = tokens.shape
         if s < 2:
@@ -199,7 +205,7 @@ class CriticCore:
         tc = self.cfg.train
         value_clip = tc.value_clip if value_clip is None else _check_setting(value_clip, "value_clip", allow_zero=True)
         loss_scale = tc.loss_scale if loss_scale is None else _check_setting(loss_scale, "loss_scale", allow_zero=False)
-        return TrainInput(tokens.long(), lengths, returns, old_values, mask, value_clip, loss_scale)
+        return TrainInput(tokens.long(), lengths, returns, old_values, mask, value_clip, loss_scale, epochs or 1)
 
     def apply_train(self, request_id: str, deadline: float | None, batch: TrainInput,
                     ticket: Ticket) -> tuple[TrainResult, bool] | None:
@@ -237,57 +243,71 @@ class CriticCore:
         return path
 
     def train(self, batch: TrainInput) -> tuple[float, dict[str, float], int]:
-        """One pass over the batch: one optimizer step per global batch, micro-batched, with the attention mask
-        Infer builds from the lengths. A step whose loss or gradient is not finite is skipped, so no request can
-        corrupt the weights. Dropout stays off (the model stays in eval mode), as when the old values were
-        computed. Returns (mean loss, metrics, the train step reached); metrics are over the whole batch."""
+        """`batch.epochs` passes over the batch: one optimizer step per global batch, micro-batched by length
+        (rows of similar length together, each micro-batch trimmed to its longest row), with the attention mask
+        Infer builds from the lengths. The first pass takes the rows in the order sent, later ones in an order
+        shuffled by a seed from the train step. A step whose loss or gradient is not finite is skipped, so no
+        request can corrupt the weights. Dropout stays off (the model stays in eval mode), as when the old values
+        were computed. Returns (mean loss, metrics, the train step reached); explained variance and values_mean
+        are over the first pass."""
         tc = self.cfg.train
         tokens, lengths, returns, old_values, mask = (batch.tokens, batch.lengths, batch.returns, batch.old_values,
                                                       batch.mask)
+        rows = tokens.shape[0]
         losses: list[float] = []
         grad_norms: list[float] = []
         values_seen = torch.zeros_like(returns)
         clipped = 0.0
         skipped = 0
+        started = time.perf_counter()
         try:
-            for g in range(0, tokens.shape[0], tc.global_batch_size):
-                g_end = min(g + tc.global_batch_size, tokens.shape[0])
-                n_tokens = float(mask[g:g_end].sum().clamp(min=1))
-                self.optimizer.zero_grad(set_to_none=True)
-                loss_total = 0.0
-                for m in range(g, g_end, tc.micro_batch_size):
-                    ms = slice(m, min(m + tc.micro_batch_size, g_end))
-                    tok, n = tokens[ms].to(self.device), lengths[ms].to(self.device)
-                    values = per_token_scores(self.model, tok, n)[:, :-1]
-                    loss, stats = value_loss(values, old_values[ms].to(self.device), returns[ms].to(self.device),
-                                             mask[ms].to(self.device), clip=batch.value_clip, scale=batch.loss_scale,
-                                             num_tokens=n_tokens)
-                    loss.backward()
-                    loss_total += float(loss.detach())
-                    values_seen[ms] = values.detach().cpu()
-                    clipped += float(stats["vf_clipfrac"]) * float(mask[ms].sum())
-                max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-                if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
-                    skipped += 1
+            for epoch in range(batch.epochs):
+                order = (torch.arange(rows) if epoch == 0 else
+                         torch.randperm(rows, generator=torch.Generator().manual_seed(self.train_step)))
+                for g in range(0, rows, tc.global_batch_size):
+                    group = order[g:g + tc.global_batch_size]
+                    n_tokens = float(mask[group].sum().clamp(min=1))
                     self.optimizer.zero_grad(set_to_none=True)
-                    continue
-                self.optimizer.step()
-                self.train_step += 1
-                losses.append(loss_total)
-                grad_norms.append(grad_norm)
+                    loss_total = 0.0
+                    for bucket in length_buckets(lengths[group], tc.micro_batch_size):
+                        ms = group[bucket]
+                        w = int(lengths[ms].max())
+                        tok, n = tokens[ms, :w].to(self.device), lengths[ms].to(self.device)
+                        values = per_token_scores(self.model, tok, n)[:, :-1]
+
+                        def rows_of(x: torch.Tensor, ms: torch.Tensor = ms, w: int = w) -> torch.Tensor:
+                            return x[ms, :w - 1].to(self.device)
+
+                        loss, stats = value_loss(values, rows_of(old_values), rows_of(returns), rows_of(mask),
+                                                 clip=batch.value_clip, scale=batch.loss_scale, num_tokens=n_tokens)
+                        loss.backward()
+                        loss_total += float(loss.detach())
+                        if epoch == 0:
+                            values_seen[ms, :w - 1] = values.detach().cpu()
+                        clipped += float(stats["vf_clipfrac"]) * float(mask[ms].sum())
+                    max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+                    if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+                        skipped += 1
+                        self.optimizer.zero_grad(set_to_none=True)
+                        continue
+                    self.optimizer.step()
+                    self.train_step += 1
+                    losses.append(loss_total)
+                    grad_norms.append(grad_norm)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         n_mask = float(mask.sum().clamp(min=1))
         metrics = {
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "vf_clipfrac": clipped / n_mask,
+            "vf_clipfrac": clipped / (n_mask * batch.epochs),
             "explained_variance": float(explained_variance(values_seen, returns, mask)),
             "values_mean": float(masked_mean(values_seen, mask)),
             "returns_mean": float(masked_mean(returns, mask)),
             "lr": self.optimizer.param_groups[0]["lr"],
             "optimizer_steps": len(losses),
             "skipped_steps": skipped,
+            "train_seconds": time.perf_counter() - started,
         }
         return (sum(losses) / len(losses) if losses else float("nan")), metrics, self.train_step
 

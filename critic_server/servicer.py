@@ -66,6 +66,7 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
             lengths=optional(request, "lengths"),
             value_clip=optional(request, "value_clip"),
             loss_scale=optional(request, "loss_scale"),
+            epochs=optional(request, "epochs"),
         )
 
         async def apply() -> tuple[TrainResult, bool]:

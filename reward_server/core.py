@@ -15,6 +15,7 @@ from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
     TORCH_DTYPES,
+    by_length,
     last_token_scores,
     load_scalar_head_model,
     load_tokenizer,
@@ -195,7 +196,8 @@ class RewardCore:
     # --- scoring --------------------------------------------------------------------------------
     def score_batch(self, requests: list[ScoreInput]) -> list[ScoreOutput]:
         """Rewards float32 [B_i] and components for each request. The learned model runs on all requests'
-        rows together, in forward passes of at most max_batch_size rows."""
+        rows together, in forward passes of at most max_batch_size rows of similar length, each trimmed to its
+        longest row."""
         model_rewards = self._model_rewards(requests) if self.model is not None else None
         out = []
         for i, req in enumerate(requests):
@@ -215,12 +217,9 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        step = self.cfg.batching.max_batch_size
-        chunks = []
-        for i in range(0, tokens.shape[0], step):
-            tok, n = tokens[i:i + step].to(self.device), lengths[i:i + step].to(self.device)
-            chunks.append(last_token_scores(per_token_scores(self.model, tok, n), n).cpu())
-        return list(torch.cat(chunks).split([r.rows for r in requests]))
+        rewards = by_length(lambda tok, n: last_token_scores(per_token_scores(self.model, tok, n), n), tokens, lengths,
+                            self.cfg.batching.max_batch_size, self.device)
+        return list(rewards.split([r.rows for r in requests]))
 
     def _rule_scores(self, name: str, req: ScoreInput) -> list[float] | None:
         """Scores of rule scorer `name` for each sample, or None when the request lacks what it needs."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 import torch
 from transformers import (
@@ -63,6 +64,35 @@ def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
     """Right-pad [B_i, S_i] tensors to the longest S and concatenate along the batch."""
     width = max(r.shape[1] for r in rows)
     return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
+
+
+def length_buckets(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Row indices in chunks of at most `size` rows, longest rows first. A chunk trimmed to its own longest row
+    carries little padding, so passes over the chunks cost in proportion to the valid tokens, not the padded
+    batch; for right-padded causal models the outputs at valid positions are the same either way."""
+    order = torch.argsort(lengths.cpu(), descending=True, stable=True)
+    return list(order.split(max(1, size)))
+
+
+def by_length(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor,
+              size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Apply `fn(tokens [b, w], lengths [b])` to length buckets of at most `size` rows, each trimmed to its
+    longest row w, and gather the outputs back in row order on the CPU. `fn` returns [b] per row or
+    [b, w - k] per position; positions past a bucket's width are 0 in the result ([B] or [B, S - k])."""
+    out = None
+    for idx in length_buckets(lengths, size):
+        w = int(lengths[idx].max())
+        y = fn(tokens[idx, :w].to(device), lengths[idx].to(device)).cpu()
+        if out is None:
+            shape = (tokens.shape[0],) if y.dim() == 1 else (tokens.shape[0], tokens.shape[1] - (w - y.shape[1]))
+            out = torch.zeros(shape, dtype=y.dtype)
+        if y.dim() == 1:
+            out[idx] = y
+        else:
+            out[idx, :y.shape[1]] = y
+    if out is None:
+        raise ValueError("by_length needs at least one row")
+    return out
 
 
 def per_token_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

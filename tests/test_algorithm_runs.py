@@ -235,3 +235,30 @@ def test_warmup_validation_adaptive_kl_and_importance_sampling_in_one_run(reward
     assert rows[1]["train_rollouts/kl_coef"] == 0.01 and rows[2]["train_rollouts/kl_coef"] != 0.01
     # the torch backend generates with the trained policy itself: its weights are 1 up to float error
     assert abs(rows[2]["train_optim/is_weight_mean"] - 1.0) < 1e-3
+
+
+def test_reused_log_probs_critic_epochs_and_ignored_eos_with_the_step_breakdown(reward, critic, tmp_path):
+    """The performance options a user sets: no policy log-prob pass (generation's are reused; the first epoch's
+    ratio stays 1 up to their error), the critic trained every PPO epoch, every response max_new_tokens long;
+    each step prints where its time went."""
+    run = run_actor("ppo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2", "critic.ppo_epochs=2",
+                    "policy.generation.reuse_logprobs=true", "policy.generation.ignore_eos=true",
+                    f"reward.address={reward.address}", f"critic.address={critic.address}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert "timers/logprobs" not in r and r["timers/generate"] > 0 and r["timers/init_logprobs"] > 0
+        assert r["train_rollouts/response_lengths"] == 8 and r["train_rollouts/fraction_of_samples_properly_ended"] == 0
+        assert r["critic/optimizer_steps"] == 2 and r["critic/train_seconds"] > 0
+        assert r["timers/other"] >= 0
+    assert rows[1]["critic/train_step"] - rows[0]["critic/train_step"] == 2
+    breakdown = [line for line in run.stderr.splitlines() + run.stdout.splitlines() if line.startswith("step 2 time")]
+    assert breakdown and "generation" in breakdown[0] and "actor train" in breakdown[0], run.stderr[-2000:]
+
+
+def test_reusing_log_probs_with_importance_sampling_is_refused(tmp_path):
+    run = run_actor("ppo", tmp_path / "run", "policy.generation.reuse_logprobs=true",
+                    "loss_fn.use_importance_sampling_correction=true")
+    assert run.returncode == 2
+    assert "policy.generation.reuse_logprobs" in run.stderr and "use_importance_sampling_correction" in run.stderr

@@ -665,3 +665,38 @@ def test_load_returns_to_a_checkpoint_weights_optimizer_step_and_request_ids(cri
         with pytest.raises(grpc.RpcError) as err:
             stub.Load(critic_pb2.LoadRequest(tag=tag), timeout=30)
         assert err.value.code() == code and "tag" in err.value.details()
+
+
+def test_epochs_train_that_many_passes_and_bad_counts_name_the_field(stub):
+    inputs = _train_inputs(31, b=8)
+    step = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
+    one = _train_with(stub, inputs)
+    assert one.train_step == step + 1 and one.metrics["optimizer_steps"] == 1
+    three = _train_with(stub, inputs, epochs=3)
+    assert three.train_step == step + 4 and three.metrics["optimizer_steps"] == 3
+    assert three.metrics["train_seconds"] > 0
+    for bad in (65, 1000):
+        with pytest.raises(grpc.RpcError) as err:
+            _train_with(stub, inputs, epochs=bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "epochs" in err.value.details()
+    assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == step + 4
+
+
+def test_length_bucketed_training_equals_one_padded_pass(critic, stub, log_dir):
+    """Micro-batches of 2 rows of similar length, each trimmed to its longest row, take the same optimizer step
+    as one pass over the whole padded batch: same loss, same weights after (float32 rounding apart)."""
+    inputs = _train_inputs(32, b=8, s=24)
+    path = stub.Save(critic_pb2.SaveRequest(tag="before-bucket-check"), timeout=120).path
+    probe, probe_lengths = batch(33)
+    replies, after = [], []
+    for micro in (8, 2):
+        with ServiceProcess("critic", "--model", path, f"train.micro_batch_size={micro}", "--checkpoint-dir",
+                            str(log_dir / f"ckpt-bucket-{micro}"), log_dir=log_dir) as server:
+            ch = channel(server.address)
+            other = critic_pb2_grpc.CriticServiceStub(ch)
+            replies.append(_train_with(other, inputs))
+            after.append(infer(other, probe, probe_lengths))
+            ch.close()
+    assert replies[1].loss == pytest.approx(replies[0].loss, rel=1e-5)
+    assert replies[1].metrics["grad_norm"] == pytest.approx(replies[0].metrics["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(after[1], after[0], atol=1e-5, rtol=1e-4)

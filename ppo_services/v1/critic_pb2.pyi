@@ -24,7 +24,7 @@ class InferResponse(_message.Message):
     def __init__(self, values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainRequest(_message.Message):
-    __slots__ = ("tokens", "returns", "old_values", "mask", "lengths", "value_clip", "loss_scale", "request_id")
+    __slots__ = ("tokens", "returns", "old_values", "mask", "lengths", "value_clip", "loss_scale", "request_id", "epochs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class TrainRequest(_message.Message):
     VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     tokens: _common_pb2.Tensor
     returns: _common_pb2.Tensor
     old_values: _common_pb2.Tensor
@@ -41,7 +42,8 @@ class TrainRequest(_message.Message):
     value_clip: float
     loss_scale: float
     request_id: str
-    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_scale: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    epochs: int
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_scale: _Optional[float] = ..., request_id: _Optional[str] = ..., epochs: _Optional[int] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("loss", "metrics", "train_step")

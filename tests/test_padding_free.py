@@ -1,0 +1,134 @@
+"""Passes over length buckets (rows of similar length, each bucket trimmed to its longest row) compute what the
+padded batch computes, and generation's log-probs equal the policy's within their stated error.
+
+Tolerances: log-probs and values 1e-5 absolute; losses 1e-6 relative; gradients 1e-5 absolute plus 1e-4
+relative (float32 sums in another order). Reused generation log-probs: at most REUSE_MAX_ABS_ERROR per token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actor.generation import SamplingParams, TorchGenerationBackend
+from actor.rollouts import RolloutCollector
+from actor.tracking import Timers
+from algorithms import logprobs_from_logits, policy_loss
+from serving.modeling import attention_mask_from_lengths, by_length, length_buckets
+
+# Documented in docs/PERFORMANCE.md ("Reusing generation's log-probs"); measured max is about 1e-6 in float32.
+REUSE_MAX_ABS_ERROR = 1e-4
+
+
+@pytest.fixture(scope="module")
+def policy(embedded_assets):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(embedded_assets.policy).eval()
+    return model, AutoTokenizer.from_pretrained(embedded_assets.policy)
+
+
+def ragged_batch(vocab: int, b: int = 12, s: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, vocab, (b, s), generator=g)
+    lengths = torch.randint(3, s + 1, (b,), generator=g)
+    lengths[3] = s
+    tokens[torch.arange(s)[None, :] >= lengths[:, None]] = 0  # padding after each row's end
+    return tokens, lengths
+
+
+def padded_logprobs(model, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=tokens, attention_mask=attention_mask_from_lengths(lengths, tokens.shape[1])).logits
+        return logprobs_from_logits(logits[:, :-1].float(), tokens[:, 1:])
+
+
+def valid_actions(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1] - 1)[None, :] < lengths[:, None] - 1
+
+
+def test_length_buckets_cover_every_row_once_longest_first():
+    lengths = torch.tensor([3, 9, 1, 9, 4, 7, 2])
+    buckets = length_buckets(lengths, 3)
+    assert [len(b) for b in buckets] == [3, 3, 1]
+    assert sorted(torch.cat(buckets).tolist()) == list(range(7))
+    assert [sorted(lengths[b].tolist()) for b in buckets] == [[7, 9, 9], [2, 3, 4], [1]]
+
+
+def test_bucketed_log_probs_equal_the_padded_ones(policy):
+    model, tok = policy
+    tokens, lengths = ragged_batch(len(tok))
+    collector = RolloutCollector(policy=model, reference=None, backend=None, critic=None, score=None, pad_id=0,
+                                 device=torch.device("cpu"), generation_batch_size=4, logprob_batch_size=3,
+                                 timers=Timers())
+    bucketed = collector.logprobs(model, tokens, lengths)
+    padded = padded_logprobs(model, tokens, lengths)
+    valid = valid_actions(tokens, lengths)
+    assert bucketed.shape == padded.shape
+    torch.testing.assert_close(bucketed[valid], padded[valid], atol=1e-5, rtol=0)
+    assert (bucketed[~valid] == 0).all()
+
+
+def test_by_length_gathers_per_row_outputs_back_in_order():
+    tokens = torch.arange(30).reshape(6, 5)
+    lengths = torch.tensor([2, 5, 3, 1, 4, 5])
+    firsts = by_length(lambda t, n: t[:, 0].float() + n.float() / 10, tokens, lengths, size=2)
+    torch.testing.assert_close(firsts, tokens[:, 0].float() + lengths.float() / 10)
+    widths = by_length(lambda t, n: torch.full((t.shape[0], t.shape[1] - 1), float(t.shape[1])), tokens, lengths, 2)
+    assert widths.shape == (6, 4)
+    # each row lies in a bucket trimmed to that bucket's longest row, and nothing is written past it
+    assert widths[3].tolist() == [2.0, 0.0, 0.0, 0.0] and widths[1].tolist() == [5.0] * 4
+
+
+def test_bucketed_policy_loss_and_gradients_equal_the_padded_ones(policy):
+    """What train_policy does: micro-batches by length, each normalised by the global batch's token count."""
+    model, tok = policy
+    tokens, lengths = ragged_batch(len(tok), seed=1)
+    g = torch.Generator().manual_seed(2)
+    mask = valid_actions(tokens, lengths).float() * (torch.rand(tokens.shape[0], tokens.shape[1] - 1, generator=g) > 0.2)
+    old = padded_logprobs(model, tokens, lengths) + 0.05 * torch.randn(mask.shape, generator=g)
+    adv = torch.randn(mask.shape, generator=g)
+    n_tokens = float(mask.sum())
+
+    def loss_of(rows: torch.Tensor, width: int) -> torch.Tensor:
+        t, n = tokens[rows, :width], lengths[rows]
+        logits = model(input_ids=t, attention_mask=attention_mask_from_lengths(n, width)).logits[:, :-1].float()
+        lp = logprobs_from_logits(logits, t[:, 1:])
+        w = width - 1
+        loss, _ = policy_loss(lp, old[rows, :w], adv[rows, :w], mask[rows, :w], clip_low=0.2, clip_high=0.2,
+                              num_tokens=n_tokens)
+        return loss
+
+    def grads() -> list[torch.Tensor]:
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    padded = loss_of(torch.arange(tokens.shape[0]), tokens.shape[1])
+    padded.backward()
+    padded_grads = grads()
+    total = torch.zeros(())
+    for bucket in length_buckets(lengths, 4):
+        part = loss_of(bucket, int(lengths[bucket].max()))
+        part.backward()
+        total = total + part.detach()
+    assert float(total) == pytest.approx(float(padded.detach()), rel=1e-6, abs=1e-7)
+    for a, b in zip(grads(), padded_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_reused_generation_log_probs_are_within_their_stated_error(policy, temperature):
+    """The torch backend samples from the trained policy itself: its log-probs (of the raw logits, as the
+    policy's are) differ from a separate forward pass only by rounding."""
+    model, tok = policy
+    prompts = [tok(text)["input_ids"] for text in ("the movie was", "i think the food", "a", "this is not a")] * 6
+    backend = TorchGenerationBackend(model, tok.pad_token_id, torch.device("cpu"))
+    r = backend.generate(prompts, SamplingParams(24, temperature=temperature, stop_token_ids=(tok.eos_token_id,)),
+                         seed=3)
+    mask = r.action_mask().bool()
+    assert int(mask.sum()) >= len(prompts)  # every row has a response token
+    forward = padded_logprobs(model, r.tokens, r.lengths)
+    error = (r.logprobs - forward)[mask].abs().max()
+    assert float(error) <= REUSE_MAX_ABS_ERROR
+    assert (r.logprobs[~mask] == 0).all()
