@@ -157,7 +157,8 @@ class PPOTrainer:
                         num_sequences=n_seqs, ref_logprobs=rows(batch.ref_logprobs),
                         kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
                         importance_weights=rows(is_weights))
-                    entropy = entropy_from_logits(logits)
+                    with torch.set_grad_enabled(lf.entropy_bonus != 0):  # a metric only, unless it is in the loss
+                        entropy = entropy_from_logits(logits)
                     loss = pg_loss - lf.entropy_bonus * aggregate_loss(entropy, mk, aggregation, n_tokens, n_seqs)
                     loss.backward()
                     loss_sum += float(loss.detach())
