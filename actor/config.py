@@ -270,6 +270,7 @@ class ActorConfig(StrictModel):
     http_port: int = Field(8000, ge=0, le=65535, description="REST port for /health, /ready, /metrics; 0 disables.")
     auth_token_file: str | None = Field(None, description="File holding the bearer token the servers require (the environment variable PPO_SERVICES_AUTH_TOKEN is read when this is unset); sent on every call.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads of the actor (its thread budget when the servers share the machine's cores); 0: torch's default, one per core.")
+    num_threads_shared: int = Field(0, ge=0, description="The actor's torch threads while co-located servers compute at the same time (log-prob passes while Infer and Score run, the policy update while the critic trains); 0: num_threads. On one machine: num_threads minus the servers' threads.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)

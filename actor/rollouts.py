@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algorithms import groups_with_signal, logprobs_from_logits
-from serving.modeling import attention_mask_from_lengths, by_length, pad_and_stack
+from serving.modeling import attention_mask_from_lengths, by_length, pad_and_stack, torch_threads
 
 from .clients import CriticClient, OpenRLHFRewardClient, Pending, RewardClient, Scores, label_text
 from .data import Prompt, PromptSampler
@@ -130,12 +130,14 @@ class RolloutCollector:
 
     def __init__(self, *, policy: PreTrainedModel, reference: PreTrainedModel | None, backend: GenerationBackend,
                  critic: CriticClient | None, score: ScoreFn | None, pad_id: int, device: torch.device,
-                 generation_batch_size: int, logprob_batch_size: int, timers: Timers, reuse_logprobs: bool = False):
+                 generation_batch_size: int, logprob_batch_size: int, timers: Timers, reuse_logprobs: bool = False,
+                 shared_threads: int = 0):
         self.policy, self.reference, self.backend = policy, reference, backend
         self.critic, self.score = critic, score  # score None: rewards come with the critic's values (combined)
         self.pad_id, self.device = pad_id, device
         self.generation_batch_size, self.logprob_batch_size = generation_batch_size, logprob_batch_size
         self.timers = timers
+        self.shared_threads = shared_threads  # torch threads while the servers answer this batch's requests
         self.reuse_logprobs = reuse_logprobs  # the policy's log-probs are generation's (the backend samples the policy)
         self.next_group = 0  # group ids stay unique across steps (and across a resume)
 
@@ -172,14 +174,15 @@ class RolloutCollector:
                 scores = self.score(r, chunk_labels) if self.score is not None else values.then(lambda vr: (vr[1], {}))
             lp = ref = None
             if train:
-                if self.reuse_logprobs:
-                    lp = r.logprobs
-                else:
-                    with t("logprobs"):
-                        lp = self.logprobs(self.policy, r.tokens, r.lengths)
-                if self.reference is not None:
-                    with t("init_logprobs"):
-                        ref = self.logprobs(self.reference, r.tokens, r.lengths)
+                with torch_threads(self.shared_threads):
+                    if self.reuse_logprobs:
+                        lp = r.logprobs
+                    else:
+                        with t("logprobs"):
+                            lp = self.logprobs(self.policy, r.tokens, r.lengths)
+                    if self.reference is not None:
+                        with t("init_logprobs"):
+                            ref = self.logprobs(self.reference, r.tokens, r.lengths)
             parts.append((r, values, scores, lp, ref))
         with t("critic_wait"):
             remote = [(v.result()[0] if v is not None and train else None, s.result()) for _, v, s, _, _ in parts]

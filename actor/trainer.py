@@ -38,6 +38,7 @@ from serving.modeling import (
     length_buckets,
     max_length_of,
     resolve_device,
+    torch_threads,
 )
 from serving.rest import add_ops_routes, start_ops_thread
 
@@ -105,7 +106,7 @@ class PPOTrainer:
             policy=self.policy, reference=self.reference, backend=TorchGenerationBackend(self.policy, self.pad_id, self.device),
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
-            reuse_logprobs=gen.reuse_logprobs)
+            reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared)
 
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
         self.shape_rewards = RewardPipeline(cfg)
@@ -226,7 +227,8 @@ class PPOTrainer:
                                                  epochs=cfg.critic.ppo_epochs)
         metrics: dict[str, float] = {}
         if step >= p.policy_training_start_step:
-            with t("train_time"):
+            # the critic trains at the same time: on a shared machine the actor keeps to its share of the cores
+            with t("train_time"), torch_threads(cfg.num_threads_shared if critic_train is not None else 0):
                 metrics = self.train_policy(batch, advantages, loss_mask, is_weights)
         with t("critic_train_wait"):
             critic = critic_train.result() if critic_train is not None else None

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import (
@@ -64,6 +65,21 @@ def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
     """Right-pad [B_i, S_i] tensors to the longest S and concatenate along the batch."""
     width = max(r.shape[1] for r in rows)
     return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` for the block (0: unchanged), then restored: a process gives
+    cores back while another process on the same machine computes at the same time."""
+    before = torch.get_num_threads()
+    if n <= 0 or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def length_buckets(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
