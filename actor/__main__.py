@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from serving.codec import retain_freed_memory
 from serving.config import parse_cli
 from serving.security import SecurityError
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import PPOTrainer
 
     transformers.utils.logging.disable_progress_bar()
+    retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)
 
     try:
         trainer = PPOTrainer(cfg)

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from pydantic import Field
 
 from .batching import ModelWorker
+from .codec import retain_freed_memory
 from .config import StrictModel
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
@@ -234,6 +235,7 @@ class Service:
         cfg = self.cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         exit_code = 0

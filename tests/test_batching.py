@@ -93,3 +93,26 @@ async def test_drain_finishes_accepted_work_then_refuses_new_work():
     assert [p.result() for p in pending] == ["ok"] * 3
     with pytest.raises(NotReady):
         await worker.run_exclusive("Train", lambda: "late")
+
+
+async def test_requests_queued_behind_a_running_batch_form_the_next_batch_together():
+    """Everything queued while the model thread is busy is taken at once (up to max_batch_size rows), which is
+    what batching gains with clients calling concurrently (bench.service_split)."""
+    gate = threading.Event()
+    worker = make_worker(max_batch_size=8, max_queue_delay_s=0.01)
+    batches: list[list[str]] = []
+
+    def run(payloads: list[str]) -> list[str]:
+        if payloads == ["first"]:
+            gate.wait(10)
+        batches.append(payloads)
+        return payloads
+
+    first = asyncio.ensure_future(worker.run_batched("Infer", 1, "first", run))
+    await asyncio.sleep(0.05)  # running (the delay has passed), holding the model thread
+    queued = [asyncio.ensure_future(worker.run_batched("Infer", 2, f"q{i}", run)) for i in range(5)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    assert await first == "first" and [await q for q in queued] == [f"q{i}" for i in range(5)]
+    assert batches == [["first"], ["q0", "q1", "q2", "q3"], ["q4"]]  # 2 rows each: 4 fit in 8 rows
+    await worker.drain(5)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from google.protobuf.internal import api_implementation
 
 from ppo_services.v1 import common_pb2
-from serving.codec import DTYPES, decode, encode
+from serving.codec import DTYPES, OWN_MIN_BYTES, OWNS_READ_BYTES, decode, encode, retain_freed_memory
 from serving.errors import InvalidArgument
 
 
@@ -21,7 +24,7 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
-@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 0, 4), (2, 3, 4)], ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 0, 4), (2, 3, 4), (64, 80)], ids=str)  # 64 x 80: >= OWN_MIN_BYTES
 def test_round_trip_is_exact(dtype, shape):
     t = sample(dtype, shape)
     msg = common_pb2.Tensor.FromString(encode(t).SerializeToString())
@@ -72,3 +75,41 @@ def test_malformed_tensors_name_the_field(msg, words):
 def test_unsupported_dtype_is_refused_on_encode():
     with pytest.raises(TypeError, match="complex64"):
         encode(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_a_large_decoded_tensor_owns_its_memory_and_is_writable():
+    """Large payloads are decoded without the extra copy (the tensor takes over the bytes `msg.data` returned): it
+    must still be writable, independent of the message and of any other decode of it, and raise no warning."""
+    t = torch.arange(4096, dtype=torch.float32)
+    msg = common_pb2.Tensor.FromString(encode(t).SerializeToString())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first, second = decode(msg, "x"), decode(msg, "x")
+    first += 1
+    assert torch.equal(second, t) and torch.equal(decode(msg, "x"), t)
+    assert torch.equal(first, t + 1)
+    assert first.data_ptr() != second.data_ptr()
+
+
+def test_every_read_of_a_bytes_field_is_a_new_object_where_decode_relies_on_it():
+    """decode takes over the bytes object `msg.data` returns only with protobuf backends that build a new one at
+    every read; if a backend started to share it, a decoded tensor would write into the message."""
+    msg = encode(torch.zeros(OWN_MIN_BYTES))
+    if OWNS_READ_BYTES:
+        assert msg.data is not msg.data
+    else:
+        assert api_implementation.Type() == "python"
+
+
+def test_the_copying_path_of_other_protobuf_backends(monkeypatch):
+    monkeypatch.setattr("serving.codec.OWNS_READ_BYTES", False)
+    t = torch.arange(4096, dtype=torch.int32)
+    msg = encode(t)
+    back = decode(msg, "x")
+    back += 1
+    assert torch.equal(decode(msg, "x"), t) and torch.equal(back, t + 1)
+
+
+def test_malloc_thresholds_are_left_to_the_environment_when_it_sets_them(monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
+    assert retain_freed_memory() is False

@@ -1,0 +1,367 @@
+"""Is the service split free? The critic served over loopback gRPC against the same model in process, the tensor
+codec's speed, and what dynamic batching gains, measured on this machine in one run against the targets of the issue.
+
+    python -m bench.service_split [--rounds 7] [--seconds 3] [--quick]
+
+1. Remote Infer vs in-process forward. A Llama-style critic (hidden 256, 6 layers, 8 heads, MLP 768, vocab 100, a
+   one-label `score` head: what `critic_server` loads) is built into a temporary directory and served by
+   `python -m critic_server --port P ... --model DIR num_threads=2`, started as tests/service_procs.py starts it. This
+   process loads the same checkpoint with torch.set_num_threads(2). Rounds alternate: the forward of 64 x 272 tokens
+   in process (the servers idle), then an Infer of the same batch with the actor's client (actor.clients.CriticClient).
+   Target: median of the per-round ratios remote / in-process <= 1.05; the values must agree too. The same forward
+   takes from 10% less to 15% more time in one process than in another here (its activations take 200,000-450,000
+   page faults, and how many depends on the state of the process's heap), so the table also gives the split's own
+   cost: the remote time less the server's forward (its compute-time metric), as a fraction of the in-process
+   forward, with the same 5% as target.
+2. The tensor codec: encode, SerializeToString, FromString and decode of float32 [64, 272] and [512, 4096], in this
+   process after the rest. Target: >= 1 GB/s (tensor bytes / median round-trip time).
+3. Dynamic batching. 8 client threads, each with a CriticClient of its own, send Infer requests back to back for
+   --seconds to the server above (default batching) and to one started with batching.max_batch_size=1 (one request
+   per forward pass: batching off); rounds alternate. Target: median throughput ratio >= 3. Two workloads: requests
+   of 1 row x 272 tokens (the issue's example) and of 1 x 16 (small enough that per-pass overhead, which is what
+   batching saves, dominates). Each comes with the most batching could gain on it, measured in process: 8 forward
+   passes of one request against one pass of 8 rows; a gain below 3x there cannot reach the target.
+
+--quick: a tiny model and short rounds, to check that the command runs (tests/test_bench_service_split.py); its
+figures say nothing. The exit status is 1 when a target is missed (never with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actor.clients import CriticClient
+from actor.config import RemoteConfig
+from ppo_services.v1 import common_pb2
+from serving.codec import decode, encode, retain_freed_memory
+from serving.modeling import load_scalar_head_model, per_token_scores
+from tests.service_procs import ServiceProcess
+
+THREADS = 2  # torch threads, in this process and on each server (num_threads)
+CLIENTS = 8
+
+
+@dataclass(frozen=True)
+class Size:
+    """Model and workload shapes of a run."""
+
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    batch: tuple[int, int]  # rows x tokens of the remote-vs-in-process Infer
+    requests: tuple[tuple[int, int], ...]  # rows x tokens of each batching client's request, one workload each
+    codec_shapes: tuple[tuple[int, ...], ...]
+
+
+FULL = Size(256, 6, 8, 768, (64, 272), ((1, 272), (1, 16)), ((64, 272), (512, 4096)))
+QUICK = Size(64, 2, 4, 128, (8, 64), ((1, 64), (1, 16)), ((64, 272), (64, 512)))
+VOCAB = 100
+MAX_POSITIONS = 512
+
+
+def build_critic(path: Path, size: Size) -> Path:
+    """A randomly initialised LlamaForSequenceClassification (num_labels=1) and a word-level tokenizer of VOCAB
+    tokens, saved as a checkpoint directory that `critic_server --model` loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    specials = ["<pad>", "<unk>", "<bos>", "<eos>"]
+    vocab = {tok: i for i, tok in enumerate([*specials, *(f"w{i}" for i in range(VOCAB - len(specials)))])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                        bos_token="<bos>", eos_token="<eos>", model_max_length=MAX_POSITIONS,
+                                        padding_side="right")
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=size.hidden, intermediate_size=size.intermediate,
+                         num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.heads,
+                         max_position_embeddings=MAX_POSITIONS, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+                         tie_word_embeddings=False, num_labels=1)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def batch_of(rows: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-length rows (no padding, so the server's length bucketing cannot shorten them): tokens, lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, VOCAB, (rows, tokens), generator=g), torch.full((rows,), tokens)
+
+
+# --- 2. the codec -------------------------------------------------------------------------------------------
+def codec_rate(shape: tuple[int, ...], seconds: float) -> tuple[float, int]:
+    """(GB/s of tensor bytes at the median round trip, round trips timed): encode -> SerializeToString ->
+    FromString -> decode, each round trip's result kept until the next one replaces it, as a caller would."""
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    times: list[float] = []
+    back = None
+    for _ in range(3):  # warm up
+        back = decode(common_pb2.Tensor.FromString(encode(t).SerializeToString()), "x")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        start = time.perf_counter()
+        wire = encode(t).SerializeToString()
+        back = decode(common_pb2.Tensor.FromString(wire), "x")
+        times.append(time.perf_counter() - start)
+    assert back is not None and torch.equal(back, t)
+    return t.numel() * t.element_size() / statistics.median(times) / 1e9, len(times)
+
+
+# --- 1. remote vs in process ----------------------------------------------------------------------------------
+def infer_metric(server: ServiceProcess, name: str) -> float:
+    """A sample of the server's Infer metrics, e.g. `batch_size_sum` (rows run so far), from its /metrics."""
+    text = httpx.get(f"{server.http}/metrics", timeout=10).text
+    m = re.search(rf'^ppo_critic_{name}{{method="Infer"}} (\S+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def forward_seconds(model, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[float, torch.Tensor]:
+    with torch.inference_mode():
+        start = time.perf_counter()
+        values = per_token_scores(model, tokens, lengths)
+        return time.perf_counter() - start, values
+
+
+def infer_seconds(client: CriticClient, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    values, _ = client.infer(tokens, lengths).result()
+    return time.perf_counter() - start, values
+
+
+# --- 3. batching ------------------------------------------------------------------------------------------------
+def batch_stats(server: ServiceProcess) -> tuple[float, float]:
+    """(rows, batches) the server's model worker has run for Infer so far."""
+    return infer_metric(server, "batch_size_sum"), infer_metric(server, "batch_size_count")
+
+
+def throughput(server: ServiceProcess, clients: list[CriticClient], request: tuple[torch.Tensor, torch.Tensor],
+               seconds: float) -> tuple[float, float]:
+    """len(clients) threads send `request` back to back for `seconds` (each at least once). Returns (requests/s,
+    mean rows per batch the server ran), counting every request sent and the time until the last reply."""
+    rows0, batches0 = batch_stats(server)
+    done = [0] * len(clients)
+    errors: list[BaseException] = []
+    go = threading.Barrier(len(clients) + 1)
+    stop_at = [0.0]
+
+    def client_loop(i: int) -> None:
+        go.wait()
+        try:
+            while True:
+                clients[i].infer(*request).result()
+                done[i] += 1
+                if time.perf_counter() >= stop_at[0]:
+                    break
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(len(clients))]
+    for th in threads:
+        th.start()
+    start = time.perf_counter()
+    stop_at[0] = start + seconds
+    go.wait()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"a batching client failed: {errors[0]}")
+    rows1, batches1 = batch_stats(server)
+    return sum(done) / wall, (rows1 - rows0) / max(batches1 - batches0, 1)
+
+
+def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple[int, int], rounds: int,
+                  seconds: float, max_batch_size: int) -> list[tuple[str, str, str, str | None]]:
+    """The batching gain for CLIENTS clients sending `request` (rows x tokens), and for scale the most it can be:
+    CLIENTS forward passes of one request against one pass of all of them, in process."""
+    rb, rs = request
+    single = batch_of(rb, rs, seed=2)
+    merged = batch_of(CLIENTS * rb, rs, seed=2)
+    forward_seconds(model, *merged)
+    t_single = statistics.median(forward_seconds(model, *single)[0] for _ in range(5 * rounds))
+    t_merged = statistics.median(forward_seconds(model, *merged)[0] for _ in range(3 * rounds))
+    ceiling = CLIENTS * t_single / t_merged
+    what = f"{CLIENTS} clients x ({rb} x {rs})"
+    print(f"Infer throughput, {what}, batching on / off (at most {ceiling:.2f}x):", flush=True)
+    clients = {p: [CriticClient(RemoteConfig(address=p.address)) for _ in range(CLIENTS)] for p in (on, off)}
+    try:
+        for p in (on, off):  # connect and warm up
+            throughput(p, clients[p], single, 0.0)
+        gains: list[float] = []
+        rates: dict[ServiceProcess, list[float]] = {on: [], off: []}
+        mean_rows: dict[ServiceProcess, list[float]] = {on: [], off: []}
+        for r in range(rounds):
+            for p in (on, off):
+                rate, mean = throughput(p, clients[p], single, seconds)
+                rates[p].append(rate)
+                mean_rows[p].append(mean)
+            gains.append(rates[on][-1] / rates[off][-1])
+            print(f"  round {r + 1}: on {rates[on][-1]:7.1f} req/s ({mean_rows[on][-1]:.1f} rows per batch), "
+                  f"off {rates[off][-1]:7.1f} req/s, gain {gains[-1]:.2f}x", flush=True)
+    finally:
+        for p in (on, off):
+            for c in clients[p]:
+                c.close()
+    gain = statistics.median(gains)
+    verdict = "pass" if gain >= 3.0 else ("FAIL" if ceiling >= 3.0 else f"FAIL (at most {ceiling:.2f}x possible)")
+    ceiling_name = (f"in process, {what}: {CLIENTS} forward passes of {rb} x {rs} / one of {CLIENTS * rb} x {rs} "
+                    f"(the most batching can gain)")
+    on_name = (f"Infer throughput, {what}, batching on (max_batch_size {max_batch_size}; "
+               f"{statistics.median(mean_rows[on]):.1f} rows per batch)")
+    return [
+        (ceiling_name, f"{ceiling:.2f}x", "", None),
+        (on_name, f"{statistics.median(rates[on]):.1f} req/s", "", None),
+        (f"Infer throughput, {what}, batching off (batching.max_batch_size=1)",
+         f"{statistics.median(rates[off]):.1f} req/s", "", None),
+        (f"Infer throughput gain of batching, {what} (median of {rounds} rounds of {seconds:g} s)", f"{gain:.2f}x",
+         ">= 3x", verdict),
+    ]
+
+
+def start_servers(model: Path, work: Path) -> tuple[ServiceProcess, ServiceProcess]:
+    """The critic with default batching and one with batching off, started together."""
+    common = ("--model", str(model), f"num_threads={THREADS}", "resume=never")  # flags first, then key=value
+    on = ServiceProcess("critic", "--checkpoint-dir", str(work / "ck-on"), *common, log_dir=work)
+    off = ServiceProcess("critic", "--checkpoint-dir", str(work / "ck-off"), *common, "batching.max_batch_size=1",
+                         log_dir=work)
+    errors: list[BaseException] = []
+
+    def start(p: ServiceProcess) -> None:
+        try:
+            p.start()
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(p,)) for p in (on, off)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        on.stop()
+        off.stop()
+        raise errors[0]
+    return on, off
+
+
+def passed(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def main(argv: list[str] | None = None) -> int:
+    retains_freed_memory = retain_freed_memory()  # as every service process does at start
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds of each comparison")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each batching round")
+    parser.add_argument("--quick", action="store_true", help="tiny model, one short round: checks that it runs")
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    rounds = 1 if args.quick else args.rounds
+    seconds = 0.5 if args.quick else args.seconds
+    torch.set_num_threads(THREADS)
+    started = time.monotonic()
+    load_start = os.getloadavg()[0]
+    rows: list[tuple[str, str, str, str | None]] = []  # measurement, value, target, verdict (None: no target)
+
+    with tempfile.TemporaryDirectory(prefix="service-split-") as tmp:
+        work = Path(tmp)
+        model_dir = build_critic(work / "critic", size)
+        print("starting the critic servers ...", flush=True)
+        on, off = start_servers(model_dir, work)
+        try:
+            model = load_scalar_head_model(str(model_dir)).eval()
+            client = CriticClient(RemoteConfig(address=on.address))
+            info = client.info()
+            tokens, lengths = batch_of(*size.batch, seed=1)
+            forward_seconds(model, tokens, lengths)  # warm up both sides
+            infer_seconds(client, tokens, lengths)
+
+            b, s = size.batch
+            print(f"remote Infer vs in-process forward, {b} x {s} tokens:", flush=True)
+            ratios, local_times, remote_times, server_times, split_costs = [], [], [], [], []
+            max_diff = 0.0
+            for r in range(rounds):
+                t_local, v_local = forward_seconds(model, tokens, lengths)
+                computed = infer_metric(on, "compute_duration_seconds_sum")
+                t_remote, v_remote = infer_seconds(client, tokens, lengths)
+                t_server = infer_metric(on, "compute_duration_seconds_sum") - computed  # its model thread's time
+                max_diff = max(max_diff, float((v_local - v_remote).abs().max()))
+                local_times.append(t_local)
+                remote_times.append(t_remote)
+                server_times.append(t_server)
+                split_costs.append((t_remote - t_server) / t_local)
+                ratios.append(t_remote / t_local)
+                print(f"  round {r + 1}: in process {t_local * 1000:8.1f} ms, remote {t_remote * 1000:8.1f} ms "
+                      f"(the server's forward {t_server * 1000:8.1f} ms), ratio {ratios[-1]:.3f}", flush=True)
+            ratio = statistics.median(ratios)
+            split_cost = statistics.median(split_costs)
+            rows.append((f"critic Infer {b} x {s}: in-process forward (median of {rounds})",
+                         f"{statistics.median(local_times) * 1000:.1f} ms", "", None))
+            rows.append((f"critic Infer {b} x {s}: remote over loopback gRPC (median of {rounds})",
+                         f"{statistics.median(remote_times) * 1000:.1f} ms", "", None))
+            rows.append((f"critic Infer {b} x {s}: the server's forward within it (its compute-time metric)",
+                         f"{statistics.median(server_times) * 1000:.1f} ms", "", None))
+            rows.append((f"critic Infer {b} x {s}: remote / in-process (median of the per-round ratios)",
+                         f"{ratio:.3f}x", "<= 1.05x", passed(ratio <= 1.05)))
+            cost_name = f"critic Infer {b} x {s}: the split's own cost, (remote - the server's forward) / in-process forward"
+            rows.append((f"{cost_name} (median)", f"{split_cost:.2%}", "<= 5%", passed(split_cost <= 0.05)))
+            rows.append((f"critic Infer {b} x {s}: remote values vs in-process, largest difference", f"{max_diff:.1e}",
+                         "<= 1e-4", passed(max_diff <= 1e-4)))
+
+            for rb, rs in size.requests:
+                rows += batching_rows(model, on, off, (rb, rs), rounds, seconds, info.max_batch_size)
+            client.close()
+        finally:
+            stoppers = [threading.Thread(target=p.stop) for p in (on, off)]
+            for th in stoppers:
+                th.start()
+            for th in stoppers:
+                th.join()
+
+    # After the model work, so that the in-process forwards run in a process that has done nothing else yet, as the
+    # server's do (the heap this leaves behind changes how many page faults a forward takes).
+    print("codec round trips ...", flush=True)
+    for i, shape in enumerate(size.codec_shapes):
+        rate, n = codec_rate(shape, 0.5 if args.quick else 3.0)
+        rows.insert(i, (f"codec round trip, float32 {list(shape)} (encode, serialize, parse, decode; median of {n})",
+                        f"{rate:.2f} GB/s", ">= 1 GB/s", passed(rate >= 1.0)))
+
+    load_end = os.getloadavg()[0]
+    command = "python -m bench.service_split" + (" --quick" if args.quick else f" --rounds {rounds} --seconds {seconds:g}")
+    print(f"\n`{command}`: {os.cpu_count()} CPU cores ({len(os.sched_getaffinity(0))} usable), no GPU used; torch "
+          f"{torch.__version__} with {THREADS} threads in process and num_threads={THREADS} on each server; "
+          f"{CLIENTS} batching clients; glibc malloc thresholds {'raised' if retains_freed_memory else 'default'} "
+          f"(serving.codec); 1-minute load average {load_start:.2f} at start, {load_end:.2f} at end; "
+          f"{time.monotonic() - started:.0f} s"
+          + ("\n--quick: a tiny model and single short rounds; the figures say nothing" if args.quick else "") + "\n")
+    print("| measurement | value | target | pass/fail |\n|---|---|---|---|")
+    for name, value, target, verdict in rows:
+        print(f"| {name} | {value} | {target} | {verdict or ''} |")
+    missed = [name for name, _, _, verdict in rows if verdict and verdict != "pass"]
+    if missed and not args.quick:
+        print(f"\n{len(missed)} target(s) missed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
