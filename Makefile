@@ -13,9 +13,32 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 # Empty: CUDA wheel from PyPI when nvidia-smi is present, otherwise a CPU-only wheel.
 TORCH_INDEX ?=
 
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
+TRL_PINS := trl==1.12.0 accelerate==1.15.0 datasets==5.2.0
+
 PYTEST_FLAGS ?= -q -ra --durations=15
 
-.PHONY: install demo test protos lint clean clean-all
+.PHONY: install demo test protos lint clean clean-all bench-env bench
+
+# INSTALL_TORCH(python): torch goes first so that pip never resolves the pinned torch to a CUDA build on a CPU-only machine:
+# plain `pip install` is used only when its dry run pulls in no nvidia-* packages (as with a local CPU wheel
+# from pip's configured find-links, or on macOS); otherwise the CPU index is used.
+define INSTALL_TORCH
+	@if $(1) -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
+		echo "torch $(TORCH_VERSION) already installed"; \
+	elif [ -n "$(TORCH_INDEX)" ]; then \
+		set -x; $(1) -m pip install --index-url "$(TORCH_INDEX)" torch==$(TORCH_VERSION); \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		set -x; $(1) -m pip install torch==$(TORCH_VERSION); \
+	elif $(1) -m pip install --dry-run --quiet --report - torch==$(TORCH_VERSION) 2>/dev/null | $(1) -c \
+		'import json, sys; sys.exit(any(p["metadata"]["name"].startswith("nvidia-") for p in json.load(sys.stdin)["install"]))'; then \
+		set -x; $(1) -m pip install torch==$(TORCH_VERSION); \
+	else \
+		set -x; $(1) -m pip install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+	fi
+endef
 
 # Create .venv and install torch, then the package with its dev extra; redone only when pyproject.toml changes.
 install: $(STAMP)
@@ -23,22 +46,8 @@ install: $(STAMP)
 $(VENV_PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch goes first so that pip never resolves the pinned torch to a CUDA build on a CPU-only machine:
-# plain `pip install` is used only when its dry run pulls in no nvidia-* packages (as with a local CPU wheel
-# from pip's configured find-links, or on macOS); otherwise the CPU index is used.
 $(STAMP): pyproject.toml | $(VENV_PY)
-	@if $(VENV_PY) -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
-		echo "torch $(TORCH_VERSION) already installed"; \
-	elif [ -n "$(TORCH_INDEX)" ]; then \
-		set -x; $(VENV_PIP) install --index-url "$(TORCH_INDEX)" torch==$(TORCH_VERSION); \
-	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		set -x; $(VENV_PIP) install torch==$(TORCH_VERSION); \
-	elif $(VENV_PIP) install --dry-run --quiet --report - torch==$(TORCH_VERSION) 2>/dev/null | $(VENV_PY) -c \
-		'import json, sys; sys.exit(any(p["metadata"]["name"].startswith("nvidia-") for p in json.load(sys.stdin)["install"]))'; then \
-		set -x; $(VENV_PIP) install torch==$(TORCH_VERSION); \
-	else \
-		set -x; $(VENV_PIP) install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
-	fi
+	$(call INSTALL_TORCH,$(VENV_PY))
 	$(VENV_PIP) install -e '.[dev]'
 	@touch $@
 
@@ -49,6 +58,23 @@ demo: install
 # The test suite, as CI runs it (.ci/run).
 test: install
 	$(VENV_PY) -m pytest $(PYTEST_FLAGS) $(ARGS)
+
+# The side-by-side benchmark against TRL's PPO (bench/trl_ppo.py; not part of `make test`) has its own environment,
+# .venv-bench: torch first as above, then this package and trl==1.12.0 (the last release with
+# trl.experimental.ppo.PPOTrainer) with the accelerate and datasets versions it resolved to; nothing else gets trl.
+bench-env: $(BENCH_STAMP)
+
+$(BENCH_PY):
+	$(PYTHON) -m venv $(BENCH_VENV)
+
+$(BENCH_STAMP): pyproject.toml | $(BENCH_PY)
+	$(call INSTALL_TORCH,$(BENCH_PY))
+	$(BENCH_PY) -m pip install -e . $(TRL_PINS)
+	@touch $@
+
+# One timed run at a time on this machine (flock, where there is one); e.g. make bench ARGS="--workload W1".
+bench: bench-env
+	$(if $(shell command -v flock),flock /tmp/bench.lock) $(BENCH_PY) -m bench.trl_ppo $(ARGS)
 
 # Regenerate the gRPC stubs in ppo_services/ from proto/ (needs the dev extra's grpcio-tools).
 protos: install
@@ -65,6 +91,6 @@ clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(STAMP)
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
-# Also remove the virtual environment.
+# Also remove the virtual environments.
 clean-all: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(BENCH_VENV)
