@@ -7,11 +7,14 @@ will implement the same `GenerationBackend` protocol, plus `update_weights` for 
 
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -20,6 +23,8 @@ from transformers.generation.logits_process import (
 )
 
 from serving.modeling import pad_and_stack, right_pad
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,19 +86,180 @@ class GenerationBackend(Protocol):
         ...
 
 
-class TorchGenerationBackend:
-    """Batched sampling with a KV cache on the training policy itself (no copy, so no refit needed)."""
+class PreallocatedLayer(DynamicLayer):
+    """One full-attention layer's KV cache in buffers allocated once, [batch, kv_heads, max_cache_len, head_dim].
 
-    def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device):
+    `update` writes the new states in place and returns views of the filled prefix, so attention reads exactly the
+    tokens seen so far (as with `DynamicLayer`, same mask sizes) without re-copying the whole cache every step the way
+    `DynamicLayer`'s `torch.cat` does. `batch_select_indices` keeps a subset of rows by moving them to the front of the
+    same buffers (only the filled prefix is copied)."""
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.length = 0
+        self._keys: torch.Tensor | None = None  # the buffers; `keys` and `values` are views of their filled prefix
+        self._values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b = key_states.shape[0]
+        self._keys = key_states.new_empty((b, key_states.shape[1], self.max_cache_len, key_states.shape[-1]))
+        self._values = value_states.new_empty((b, value_states.shape[1], self.max_cache_len, value_states.shape[-1]))
+        self.length = 0
+        self.is_initialized = True
+        self._set_views()
+
+    def _set_views(self) -> None:
+        self.keys = self._keys[:, :, : self.length]
+        self.values = self._values[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.max_cache_len:
+            raise ValueError(f"PreallocatedLayer holds {self.max_cache_len} tokens; {end} asked")
+        self._keys[:, :, self.length:end].copy_(key_states)
+        self._values[:, :, self.length:end].copy_(value_states)
+        self.length = end
+        self._set_views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._set_views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        if self.is_initialized:
+            self.length = max(self.length + tokens_to_remove, 0)
+            self._set_views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` (any order, at most the current batch size) as rows 0..len(indices)-1."""
+        if not self.is_initialized:
+            return
+        n = indices.numel()
+        if n > self._keys.shape[0]:
+            raise ValueError("PreallocatedLayer cannot grow its batch")
+        kept_k, kept_v = self.keys.index_select(0, indices), self.values.index_select(0, indices)
+        self._keys, self._values = self._keys[:n], self._values[:n]
+        self._keys[:, :, : self.length].copy_(kept_k)
+        self._values[:, :, : self.length].copy_(kept_v)
+        self._set_views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx.to(self.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PreallocatedLayer cannot grow its batch")
+
+
+class PreallocatedCache(Cache):
+    """A `Cache` of `PreallocatedLayer`s, one per decoder layer, each holding up to `max_cache_len` tokens.
+
+    `sliding_windows[i]` marks layer i as a sliding-window (or chunked) attention layer whose window is longer than
+    `max_cache_len`, so it never slides here: it keeps every token like a full layer and says it is sliding, so the
+    model builds that layer's mask (plain causal within the window) from it."""
+
+    def __init__(self, max_cache_len: int, sliding_windows: list[int | None]):
+        layers = []
+        for window in sliding_windows:
+            layer = PreallocatedLayer(max_cache_len)
+            if window is not None:
+                if window <= max_cache_len:
+                    raise ValueError(f"a sliding window of {window} would slide within {max_cache_len} tokens")
+                layer.is_sliding, layer.sliding_window = True, window
+            layers.append(layer)
+        super().__init__(layers=layers)
+
+
+def preallocated_cache_for(model: PreTrainedModel, max_cache_len: int) -> PreallocatedCache | None:
+    """A `PreallocatedCache` for `model`, or None where transformers' `DynamicCache` for it has layers other than full
+    attention and sliding windows longer than `max_cache_len` (a window that slides, linear attention, KV sharing...)."""
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return None
+    try:
+        probe = DynamicCache(config=model.config)
+    except (AttributeError, KeyError, TypeError, ValueError):  # an exotic config: the DynamicCache path deals with it
+        return None
+    windows: list[int | None] = []
+    for layer in probe.layers:
+        if type(layer) is DynamicLayer:
+            windows.append(None)
+        elif type(layer) is DynamicSlidingWindowLayer and layer.sliding_window > max_cache_len:
+            windows.append(layer.sliding_window)
+        else:
+            return None
+    return PreallocatedCache(max_cache_len, windows) if windows else None
+
+
+class _CacheNotUsed(Exception):
+    """The model cannot run on the pre-allocated cache (it failed on it, or did not fill it)."""
+
+
+@dataclass
+class GenerationStats:
+    """What the last `generate` did: the cache it used, decode forwards run, how often finished rows were dropped,
+    and the rows computed summed over decode forwards (the batch's work)."""
+
+    cache: str = ""
+    decode_steps: int = 0
+    compactions: int = 0
+    row_steps: int = 0
+
+
+class TorchGenerationBackend:
+    """Batched sampling with a KV cache on the training policy itself (no copy, so no refit needed).
+
+    Prompts are left-padded so every row's next token sits in the same cache column. The KV cache is pre-allocated
+    for prompt + max_new_tokens (`PreallocatedCache`: written in place, attention over the filled prefix only); models
+    whose cache layers are not plain full attention, or that do not fill the cache they are given, fall back
+    automatically to transformers' `DynamicCache` (`kv_cache="dynamic"` forces it). The attention mask is allocated
+    once and sliced; the prefill computes logits for the last position only.
+
+    Finished rows leave the batch: when the rows still running drop below `compact_below` of the rows in the batch,
+    the batch is compacted (cache rows, positions, mask, sampled history); until then finished rows ride along and
+    their samples are discarded. `compact_below=0` never compacts, 1 compacts as soon as any row finishes. The one
+    host sync per decode step is the count of finished rows (none without stop tokens).
+
+    With a fixed seed the output is deterministic; rows share one random stream, so a row's sample depends on the
+    batch it is in (as before).
+    """
+
+    def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device, *, kv_cache: str = "auto",
+                 compact_below: float = 0.75):
+        if kv_cache not in ("auto", "dynamic"):
+            raise ValueError(f"kv_cache must be 'auto' or 'dynamic', got {kv_cache!r}")
+        if not 0.0 <= compact_below <= 1.0:
+            raise ValueError("compact_below must be in [0, 1]")
         self.model = model
         self.pad_id = pad_id
         self.device = device
+        self.kv_cache = kv_cache
+        self.compact_below = compact_below
+        self.last_stats = GenerationStats()
+        self._no_preallocated: set[type] = set()  # model classes that failed on the pre-allocated cache
 
     def update_weights(self, model: PreTrainedModel) -> None:
         self.model = model
 
     @torch.no_grad()  # not inference_mode: the tokens feed autograd-tracked passes later
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> Rollout:
+        """Sample one response per prompt; what it took is in `last_stats`."""
         if params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         b = len(prompts)
@@ -106,46 +272,35 @@ class TorchGenerationBackend:
             ids[i, p_max - len(p):] = torch.tensor(p)
             attn[i, p_max - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        warpers = LogitsProcessorList()
-        if params.temperature > 0 and params.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(params.temperature))
-        if params.top_k > 0:
-            warpers.append(TopKLogitsWarper(params.top_k))
-        if params.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(params.top_p))
-        stops = torch.tensor(params.stop_token_ids, device=self.device, dtype=torch.long)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
 
         was_training = self.model.training
         self.model.eval()
-        cache = DynamicCache()
-        out = torch.full((b, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
-        out_lp = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=self.device)
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        resp_len = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=self.device)
-        step_ids, positions = ids, (attn.cumsum(1) - 1).clamp(min=0)
-        for t in range(params.max_new_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=positions,
-                                past_key_values=cache, use_cache=True).logits[:, -1, :].float()
-            if params.temperature == 0:
-                nxt = logits.argmax(-1)
-            else:
-                probs = torch.softmax(warpers(out[:, :t], logits), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
-            out[:, t] = nxt
-            out_lp[:, t] = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
-            hit = torch.isin(nxt, stops) & ~done
-            resp_len = torch.where(hit, torch.full_like(resp_len, t + 1), resp_len)
-            done |= hit
-            if bool(done.all()):
-                break
-            step_ids = nxt[:, None]
-            positions = positions[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype, device=self.device)], dim=1)
-        self.model.train(was_training)
+        try:
+            cache = None
+            if self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:
+                cache = preallocated_cache_for(self.model, p_max + params.max_new_tokens)
+            out = None
+            if cache is not None:
+                try:
+                    out = self._decode(ids, attn, params, seed, cache)
+                except _CacheNotUsed as e:
+                    self._no_preallocated.add(type(self.model))
+                    log.warning("%s cannot use the pre-allocated KV cache (%s); generating with DynamicCache",
+                                type(self.model).__name__, e.__cause__ or "the cache was not filled")
+            if out is None:
+                try:
+                    cache = DynamicCache(config=self.model.config)
+                except (AttributeError, KeyError, TypeError, ValueError):
+                    cache = DynamicCache()
+                out = self._decode(ids, attn, params, seed, cache)
+        finally:
+            self.model.train(was_training)
 
-        out, out_lp, resp_len, done = out.cpu(), out_lp.cpu(), resp_len.cpu(), done.cpu()
+        out, out_lp = out
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
+        is_stop = torch.isin(out, stops)
+        done = is_stop.any(1)
+        resp_len = torch.where(done, is_stop.int().argmax(1) + 1, params.max_new_tokens)
         rows = [list(p) + out[i, : int(resp_len[i])].tolist() for i, p in enumerate(prompts)]
         tokens, lengths = right_pad(rows, self.pad_id)
         logprobs = torch.zeros((b, tokens.shape[1] - 1), dtype=torch.float32)
@@ -153,3 +308,99 @@ class TorchGenerationBackend:
             n = int(resp_len[i])
             logprobs[i, len(p) - 1: len(p) - 1 + n] = out_lp[i, :n]
         return Rollout(tokens, lengths, widths.clone(), done, logprobs)
+
+    def _decode(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams, seed: int,
+                cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample up to max_new_tokens per row into (tokens int64 [B, N], log-probs float32 [B, N]) on the CPU;
+        after a row's stop token its tokens are pad."""
+        model, dev, pad, n_new = self.model, self.device, self.pad_id, params.max_new_tokens
+        b, p_max = ids.shape
+        stats = GenerationStats(cache="preallocated" if isinstance(cache, PreallocatedCache) else "dynamic")
+        warpers = _warpers(params)
+        stops = torch.tensor(params.stop_token_ids, device=dev, dtype=torch.long)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        keep_last = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+        compact = self.compact_below > 0 and all(type(layer) in _SELECTABLE_LAYERS for layer in cache.layers)
+
+        mask = torch.ones((b, p_max + n_new), dtype=attn.dtype, device=dev)  # sliced to the cache length every step
+        mask[:, :p_max] = attn
+        positions = (attn.cumsum(1) - 1).clamp(min=0)
+        prefill = dict(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True,
+                       **keep_last)
+        if isinstance(cache, PreallocatedCache):
+            try:
+                logits = model(**prefill).logits[:, -1, :]
+            except Exception as e:  # retried on DynamicCache, where an error not due to the cache recurs
+                raise _CacheNotUsed from e
+            if any(layer.length != p_max for layer in cache.layers):
+                raise _CacheNotUsed
+        else:
+            logits = model(**prefill).logits[:, -1, :]
+        pos = positions[:, -1:] + 1
+
+        out = torch.full((b, n_new), pad, dtype=torch.long, device=dev)  # by prompt row
+        out_lp = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
+        # By batch slot: the row each slot holds, its samples so far (the warpers' input ids), whether it finished.
+        rows = torch.arange(b, device=dev)
+        hist = torch.full((b, n_new), pad, dtype=torch.long, device=dev)
+        hist_lp = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
+        finished = torch.zeros(b, dtype=torch.bool, device=dev)
+        for t in range(n_new):
+            logits = logits.float()
+            if params.temperature == 0:
+                nxt = logits.argmax(-1)
+            else:
+                scores = logits
+                for w in warpers:
+                    scores = w(hist[:, :t], scores)
+                nxt = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen).squeeze(1)
+            nxt = nxt.masked_fill(finished, pad)
+            hist[:, t] = nxt
+            hist_lp[:, t] = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
+            if t + 1 == n_new:
+                break
+            n = nxt.shape[0]
+            if len(stops):
+                finished |= torch.isin(nxt, stops)
+                running = n - int(finished.sum())  # the step's one host sync
+                if running == 0:
+                    break
+                if compact and running < self.compact_below * n:
+                    out.index_copy_(0, rows, hist)
+                    out_lp.index_copy_(0, rows, hist_lp)
+                    keep = (~finished).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    rows, hist, hist_lp, mask, pos, nxt = (x[keep] for x in (rows, hist, hist_lp, mask, pos, nxt))
+                    finished = finished[keep]
+                    stats.compactions += 1
+            logits = model(input_ids=nxt[:, None], attention_mask=mask[:, : p_max + t + 1], position_ids=pos,
+                           past_key_values=cache, use_cache=True, **keep_last).logits[:, -1, :]
+            pos = pos + 1
+            stats.decode_steps += 1
+            stats.row_steps += nxt.shape[0]
+        out.index_copy_(0, rows, hist)
+        out_lp.index_copy_(0, rows, hist_lp)
+        self.last_stats = stats
+        return out.cpu(), out_lp.cpu()
+
+
+# Cache layers whose `batch_select_indices` keeps all their per-row state (linear-attention layers, for one, do not).
+_SELECTABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, PreallocatedLayer)
+
+
+def _warpers(params: SamplingParams) -> LogitsProcessorList:
+    warpers = LogitsProcessorList()
+    if params.temperature > 0 and params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
+
+
+def _takes_logits_to_keep(model: PreTrainedModel) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False

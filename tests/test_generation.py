@@ -3,11 +3,26 @@ controls, stop tokens, EOS counted in the response."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+)
 
-from actor.generation import Rollout, SamplingParams, TorchGenerationBackend, concat_rollouts
+from actor.generation import (
+    PreallocatedCache,
+    Rollout,
+    SamplingParams,
+    TorchGenerationBackend,
+    concat_rollouts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +99,122 @@ def test_action_mask_and_concat():
     assert both.tokens.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
     assert both.action_mask().tolist() == [[0, 1, 1], [1, 0, 0]]
     assert both.response_lengths.tolist() == [2, 1]
+
+
+def tiny_model(kind: str = "llama", **overrides) -> torch.nn.Module:
+    """A random tiny causal LM built locally (no download): vocab 32, pad 0, bos 1, eos 2."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(vocab_size=32, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=1,
+                            eos_token_id=2, pad_token_id=0, **overrides)
+    else:
+        config_class = MistralConfig if kind == "mistral" else LlamaConfig
+        config = config_class(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, **overrides)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def tiny_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 32, (n,), generator=g).tolist() for n in (3, 5, 9, 4, 7, 6, 3, 8, 5, 4, 6, 7)]
+
+
+def generate_alone(model, prompt: list[int], max_new_tokens: int, eos: int | None = 2) -> list[int]:
+    """transformers' greedy generate() on one prompt, cut after its first EOS (EOS counted in the response)."""
+    ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
+    out = ref[0, len(prompt):].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+@pytest.mark.parametrize("compact_below", [1.0, 0.75, 0.0])
+def test_finished_rows_leave_the_batch_and_greedy_still_matches_transformers(compact_below):
+    model, prompts = tiny_model(), tiny_prompts()
+    backend = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=compact_below)
+    r = backend.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=(2,)), seed=0)
+    ends = sorted({int(n) for n, e in zip(r.response_lengths, r.ended) if e})
+    assert len(ends) >= 3 and not r.ended.all()  # rows stop at different steps, some run to max_new_tokens
+    stats = backend.last_stats
+    assert stats.cache == "preallocated"
+    if compact_below == 0.0:
+        assert stats.compactions == 0 and stats.row_steps == len(prompts) * stats.decode_steps
+    else:
+        assert stats.compactions >= (len(ends) if compact_below == 1.0 else 1)
+        assert stats.row_steps < len(prompts) * stats.decode_steps
+    for i, p in enumerate(prompts):
+        assert responses(r)[i] == generate_alone(model, p, 20), i
+    assert r.ended.tolist() == [resp[-1] == 2 for resp in responses(r)]
+
+
+def test_preallocated_and_dynamic_caches_agree():
+    model, prompts = tiny_model(), tiny_prompts()
+    pre = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
+    dyn = TorchGenerationBackend(model, 0, torch.device("cpu"), kv_cache="dynamic", compact_below=1.0)
+    for params in (SamplingParams(20, temperature=0.0, stop_token_ids=(2,)), SamplingParams(20, temperature=0.0)):
+        a, b = pre.generate(prompts, params, seed=0), dyn.generate(prompts, params, seed=0)
+        assert (pre.last_stats.cache, dyn.last_stats.cache) == ("preallocated", "dynamic")
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths) and torch.equal(a.ended, b.ended)
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert (a.logprobs * a.action_mask() == a.logprobs).all() and (a.logprobs[a.action_mask().bool()] < 0).all()
+    # Sampling: deterministic per seed on either cache, and both give a valid rollout.
+    params = SamplingParams(16, temperature=0.8, top_k=10, top_p=0.9, stop_token_ids=(2, 5))
+    for backend in (pre, dyn):
+        x, y = backend.generate(prompts, params, seed=3), backend.generate(prompts, params, seed=3)
+        assert torch.equal(x.tokens, y.tokens) and torch.equal(x.logprobs, y.logprobs)
+        for resp, ended in zip(responses(x), x.ended.tolist()):
+            assert ended == (resp[-1] in (2, 5)) and not set(resp[:-1]) & {2, 5}
+
+
+def test_gpt2_runs_on_the_preallocated_cache():
+    model, prompts = tiny_model("gpt2"), tiny_prompts()
+    backend = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
+    r = backend.generate(prompts, SamplingParams(12, temperature=0.0, stop_token_ids=(2,)), seed=0)
+    assert backend.last_stats.cache == "preallocated"
+    for i, p in enumerate(prompts):
+        assert responses(r)[i] == generate_alone(model, p, 12), i
+    d = TorchGenerationBackend(model, 0, torch.device("cpu"), kv_cache="dynamic").generate(
+        prompts, SamplingParams(12, temperature=0.0, stop_token_ids=(2,)), seed=0)
+    assert torch.equal(r.tokens, d.tokens)
+    torch.testing.assert_close(r.logprobs, d.logprobs, rtol=0, atol=1e-5)
+
+
+def test_models_that_cannot_use_the_preallocated_cache_fall_back_to_dynamic_cache(caplog):
+    prompts = tiny_prompts()
+    params = SamplingParams(12, temperature=0.0, stop_token_ids=(2,))
+    # A sliding window that slides within prompt + max_new_tokens keeps transformers' own DynamicCache; a longer one
+    # never slides, and its layers run on the pre-allocated cache.
+    for window, cache in ((4, "dynamic"), (32, "preallocated")):
+        mistral = tiny_model("mistral", sliding_window=window)
+        backend = TorchGenerationBackend(mistral, 0, torch.device("cpu"))
+        r = backend.generate(prompts, params, seed=0)
+        assert backend.last_stats.cache == cache
+        for i, p in enumerate(prompts):
+            assert responses(r)[i] == generate_alone(mistral, p, 12), (window, i)
+
+    # A model whose forward rejects the cache it is given: retried on DynamicCache.
+    class Picky(LlamaForCausalLM):
+        def forward(self, *args, past_key_values=None, **kwargs):
+            if isinstance(past_key_values, PreallocatedCache):
+                raise TypeError("unsupported cache")
+            return super().forward(*args, past_key_values=past_key_values, **kwargs)
+
+    llama = tiny_model()
+    picky = Picky(llama.config).eval()
+    picky.load_state_dict(llama.state_dict())
+    backend = TorchGenerationBackend(picky, 0, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="actor.generation"):
+        r = backend.generate(prompts, params, seed=0)
+        assert backend.last_stats.cache == "dynamic"
+        assert torch.equal(r.tokens, backend.generate(prompts, params, seed=0).tokens)  # not tried again: one warning
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "Picky cannot use the pre-allocated KV cache (unsupported cache); generating with DynamicCache"]
+    assert torch.equal(r.tokens, TorchGenerationBackend(llama, 0, torch.device("cpu")).generate(prompts, params, 0).tokens)
+
+
+def test_generation_bench_runs(capsys):
+    from bench.generation import main
+
+    assert main(["--quick", "--threads", str(torch.get_num_threads())]) == 0
+    out = capsys.readouterr().out
+    assert "fixed:" in out and "eos:" in out and "median speed-up" in out

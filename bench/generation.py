@@ -1,0 +1,144 @@
+"""Rollout generation speed: the actor's PyTorch backend (`actor.generation.TorchGenerationBackend`) against
+transformers' `generate()` on the same model, batch and sampling, in alternating rounds.
+
+    python -m bench.generation [--rounds 3] [--settings fixed,eos] [--quick]
+
+The model is a Llama built locally from a fixed seed (no downloads): hidden 256, 6 layers, 8 heads, intermediate
+768, vocabulary 100, float32; batch 64 of random 16-token prompts, 2 torch threads, pure sampling (temperature 1, no
+top-k/top-p) on both sides. Two settings:
+
+  fixed  no stop token on either side: every row generates 256 new tokens;
+  eos    both stop at EOS (up to 256 new tokens), whose logit gets a bias through the lm_head (--eos-bias 0.3:
+         responses average ~75 tokens), so rows finish at scattered steps.
+
+Tokens/s = valid response tokens (up to and including the stop token) / wall-clock seconds of the call, the same
+definition for both. Each setting first runs both sides once untimed at full size (the first long run of a process
+pays for the allocator's growth, page faults included), then alternates: ours, transformers, ... and prints every
+round's tokens/s, mean response length, ratio and the 1-minute load average, then the medians. `--quick` is a tiny
+model and batch that only checks the bench runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
+
+from actor.generation import SamplingParams, TorchGenerationBackend
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int
+    batch: int
+    prompt_len: int
+    max_new_tokens: int
+
+
+FULL = Size(hidden=256, layers=6, heads=8, intermediate=768, vocab=100, batch=64, prompt_len=16, max_new_tokens=256)
+QUICK = Size(hidden=32, layers=2, heads=2, intermediate=64, vocab=100, batch=8, prompt_len=4, max_new_tokens=12)
+
+
+def build_model(size: Size, eos_bias: float, seed: int = 0) -> PreTrainedModel:
+    """A deterministic random Llama; `eos_bias` is added to the EOS logit (0 leaves the logits as they are)."""
+    config = LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
+                         num_attention_heads=size.heads, num_key_value_heads=size.heads,
+                         intermediate_size=size.intermediate, max_position_embeddings=2 * (size.prompt_len + size.max_new_tokens),
+                         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if eos_bias:
+        bias = torch.zeros(size.vocab)
+        bias[EOS] = eos_bias
+        model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return model
+
+
+def valid_tokens(generated: torch.Tensor, eos: int | None) -> int:
+    """Response tokens of transformers' output (prompt cut off): up to and including each row's first EOS."""
+    if eos is None:
+        return generated.numel()
+    hit = generated == eos
+    first = torch.where(hit.any(1), hit.int().argmax(1) + 1, generated.shape[1])
+    return int(first.sum())
+
+
+def run_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int, eos: int | None,
+             seed: int) -> tuple[float, int]:
+    params = SamplingParams(max_new_tokens=n, temperature=1.0, stop_token_ids=() if eos is None else (eos,))
+    start = time.perf_counter()
+    r = backend.generate(prompts.tolist(), params, seed)
+    return time.perf_counter() - start, int(r.response_lengths.sum())
+
+
+def run_hf(model: PreTrainedModel, prompts: torch.Tensor, n: int, eos: int | None, seed: int) -> tuple[float, int]:
+    config = GenerationConfig(do_sample=True, max_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0,
+                              eos_token_id=eos, pad_token_id=PAD, bos_token_id=BOS)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+    return time.perf_counter() - start, valid_tokens(out[:, prompts.shape[1]:], eos)
+
+
+def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float) -> list[float]:
+    eos = None if name == "fixed" else EOS
+    model = build_model(size, eos_bias if eos is not None else 0.0)
+    backend = TorchGenerationBackend(model, PAD, torch.device("cpu"), compact_below=compact_below)
+    prompts = torch.randint(3, size.vocab, (size.batch, size.prompt_len), generator=torch.Generator().manual_seed(1))
+    n = size.max_new_tokens
+    run_ours(backend, prompts, n, eos, seed=10_000)  # warm-up, untimed
+    run_hf(model, prompts, n, eos, seed=10_000)
+    stop = f"stop at EOS (EOS logit bias {eos_bias:g})" if eos is not None else "no stop token"
+    print(f"\n{name}: batch {size.batch}, prompts {size.prompt_len}, max_new_tokens {n}, {stop}; "
+          f"ours on the {backend.last_stats.cache} KV cache, compact_below {compact_below:g}")
+    print(f"{'round':>5}  {'ours tok/s':>10}  {'mean len':>8}  {'hf tok/s':>10}  {'mean len':>8}  {'ratio':>6}  load")
+    ours_tps, hf_tps, ratios = [], [], []
+    for i in range(rounds):
+        t_ours, n_ours = run_ours(backend, prompts, n, eos, seed=i)
+        t_hf, n_hf = run_hf(model, prompts, n, eos, seed=i)
+        ours_tps.append(n_ours / t_ours)
+        hf_tps.append(n_hf / t_hf)
+        ratios.append(ours_tps[-1] / hf_tps[-1])
+        print(f"{i + 1:>5}  {ours_tps[-1]:>10.0f}  {n_ours / size.batch:>8.1f}  {hf_tps[-1]:>10.0f}  "
+              f"{n_hf / size.batch:>8.1f}  {ratios[-1]:>5.2f}x  {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{'med':>5}  {statistics.median(ours_tps):>10.0f}  {'':>8}  {statistics.median(hf_tps):>10.0f}  {'':>8}  "
+          f"{statistics.median(ratios):>5.2f}x")
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settings", default="fixed,eos", help="comma-separated: fixed, eos")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eos-bias", type=float, default=0.3, help="added to the EOS logit in the eos setting")
+    parser.add_argument("--compact-below", type=float, default=0.75, help="TorchGenerationBackend(compact_below=...)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and batch, one round: checks the bench runs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    size, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
+    print(f"torch {torch.__version__}, {args.threads} threads, {len(os.sched_getaffinity(0))} cores")
+    medians = {}
+    for name in args.settings.split(","):
+        if name not in ("fixed", "eos"):
+            parser.error(f"unknown setting {name!r}")
+        medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below))
+    print("\nmedian speed-up (ours / transformers tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
