@@ -59,7 +59,7 @@ def step_breakdown(step: int, metrics: dict[str, float]) -> str:
             accounted += seconds
     metrics["timers/other"] = max(total - accounted, 0.0)
     parts.append(f"other {metrics['timers/other']:.2f}")
-    critic = metrics.get("critic/train_seconds")
+    critic = metrics.get("timers/critic_train")
     overlap = f" [critic trained {critic:.2f} s alongside]" if critic is not None else ""
     return f"step {step} time {total:.2f} s: " + " | ".join(parts) + overlap
 

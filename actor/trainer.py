@@ -254,7 +254,9 @@ class PPOTrainer:
             self.servers.critic_at(critic.train_step)
             metrics.update({"critic/loss": critic.loss, "critic/train_step": float(critic.train_step),
                             "critic/restarts": float(self.servers.critic_restarts),
-                            **{f"critic/{k}": v for k, v in critic.metrics.items()}})
+                            **{f"critic/{k}": v for k, v in critic.metrics.items() if k != "train_seconds"}})
+            if "train_seconds" in critic.metrics:  # the server's own training time, a wall-clock timer like ours
+                metrics["timers/critic_train"] = critic.metrics["train_seconds"]
         # advantages as the estimator gave them, before whitening (NeMo-Aligner logs these too)
         stats = {"advantages": raw_advantages, "returns": returns, "values": values}
         for name, x in stats.items():

@@ -160,7 +160,7 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
     for r in sorted((r for r in rows if r.get("step", 0) > 0), key=lambda r: r["step"]):
         d = {k.removeprefix("timers/"): float(v) for k, v in r.items() if k.startswith("timers/")}
         d["response_length"] = float(r.get("train_rollouts/response_lengths", response_length))
-        d["critic_train_seconds"] = float(r.get("critic/train_seconds", 0.0))
+        d["critic_train_seconds"] = float(r.get("timers/critic_train", 0.0))
         d["critic_optimizer_steps"] = float(r.get("critic/optimizer_steps", 0.0))
         steps_out.append(d)
     return OursRun(steps_out, skipped)

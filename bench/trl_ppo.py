@@ -280,7 +280,8 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
         print("  ours/TRL: n/a (TRL side skipped)")
 
     ours_steps = [s for r in rounds for s in r["ours"][1:]]
-    extra = ("response_length", "critic_train_seconds", "critic_optimizer_steps", "rollout_time", "step_time")
+    extra = ("response_length", "critic_train", "critic_train_seconds", "critic_optimizer_steps", "rollout_time",
+             "step_time")
     keys = [k for k in ours_steps[0] if k not in extra] + ["rollout_time", "step_time"]
     ours_phases = {k: median([s.get(k, 0.0) for s in ours_steps]) for k in keys}
     ours_phases["critic train (server, overlaps train_time)"] = median([s["critic_train_seconds"] for s in ours_steps])
