@@ -14,6 +14,7 @@ from .checkpoints import ResumeError
 from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
 from .data import DataError
+from .models import ModelSetupError
 from .rollouts import DynamicSamplingError
 
 FLAGS = {
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError) as e:
+    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

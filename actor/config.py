@@ -88,6 +88,16 @@ class OptimizerConfig(StrictModel):
     kwargs: OptimizerKwargs = Field(default_factory=OptimizerKwargs)
 
 
+class LoraConfig(StrictModel):
+    """policy.lora: train low-rank adapters (peft) instead of the policy's weights; docs/policy_models.md."""
+
+    rank: int = Field(8, ge=1, description="Rank r of each adapter's A [r, in] and B [out, r] matrices.")
+    alpha: float = Field(16.0, gt=0, description="Scale: the adapter adds (alpha / rank) * B A x to a layer's output.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during the policy update only (generation and log-prob passes run without it, so with > 0 the first epoch's ratio is no longer exactly 1).")
+    target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters: peft's 'all-linear' (every linear layer but the LM head), or module names such as [q_proj, v_proj].")
+    save_merged: bool = Field(False, description="Checkpoints also hold step_N/actor_merged: the base weights with the adapters merged in, loadable with AutoModelForCausalLM.from_pretrained.")
+
+
 class PolicyConfig(StrictModel):
     model_name: str = Field("embedded:policy", description="SFT policy: Hugging Face causal-LM path or hub id, or embedded:policy.")
     reference_model_name: str | None = Field(None, description="Frozen reference policy for the KL term; defaults to model_name.")
@@ -98,6 +108,9 @@ class PolicyConfig(StrictModel):
     precision: Literal["float32", "bfloat16"] = Field("float32", description="Policy weights' dtype.")
     max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
+    num_layers_unfrozen: int = Field(-1, ge=-1, description="Train only the top N transformer blocks, the final norm and the LM head (trlx's key); the embeddings and the lower blocks are frozen. -1 trains every layer. A head tied to the input embeddings is frozen with them when N >= 0.")
+    reference_offload: bool = Field(False, description="Keep the reference policy on the CPU and move it to the policy's device only for its log-prob passes (saves its device memory; costs two transfers per generation batch).")
+    lora: LoraConfig | None = Field(None, description="LoRA adapters (peft) on the policy; null trains the policy's own weights. The reference is then the same model with its adapters disabled (no second copy) unless reference_model_name names another model.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
@@ -107,6 +120,11 @@ class PolicyConfig(StrictModel):
             raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                              f"policy.train_micro_batch_size ({self.train_micro_batch_size})")
         return self
+
+    @property
+    def separate_reference(self) -> bool:
+        """Whether the reference is a model of its own (with LoRA it is otherwise the policy, adapters disabled)."""
+        return self.lora is None or self.reference_model_name not in (None, self.model_name)
 
 
 class AdvEstimatorConfig(StrictModel):
@@ -322,6 +340,15 @@ class ActorConfig(StrictModel):
             raise ValueError("policy.generation.reuse_logprobs=true makes the policy's log-probs the generation "
                              "engine's, so loss_fn.use_importance_sampling_correction would correct nothing: "
                              "turn one of them off")
+        pol = self.policy
+        if pol.lora is not None and pol.num_layers_unfrozen >= 0:
+            raise ValueError("policy.lora trains adapters and freezes every base weight, so "
+                             f"policy.num_layers_unfrozen={pol.num_layers_unfrozen} has nothing to choose: set it to -1 "
+                             "or policy.lora to null")
+        if pol.reference_offload and not pol.separate_reference:
+            raise ValueError("policy.reference_offload=true, but with policy.lora the reference is the policy itself "
+                             "(adapters disabled), so there is no copy to offload: set policy.reference_offload=false, "
+                             "or policy.reference_model_name to a different model")
         return self
 
     @property

@@ -22,6 +22,7 @@ from serving.modeling import attention_mask_from_lengths, by_length, pad_and_sta
 from .clients import CriticClient, OpenRLHFRewardClient, Pending, RewardClient, Scores, label_text
 from .data import Prompt, PromptSampler
 from .generation import GenerationBackend, Rollout, SamplingParams, concat_rollouts, select_rows
+from .models import Reference
 from .tracking import Timers
 
 # (rollout, labels or None) -> the reward request in flight
@@ -128,7 +129,7 @@ class RolloutCollector:
     """Makes a step's RolloutBatch: per generation batch, the critic and reward requests go out as soon as the
     batch is generated and the actor computes the policy's and the reference's log-probs while they run."""
 
-    def __init__(self, *, policy: PreTrainedModel, reference: PreTrainedModel | None, backend: GenerationBackend,
+    def __init__(self, *, policy: PreTrainedModel, reference: Reference | None, backend: GenerationBackend,
                  critic: CriticClient | None, score: ScoreFn | None, pad_id: int, device: torch.device,
                  generation_batch_size: int, logprob_batch_size: int, timers: Timers, reuse_logprobs: bool = False,
                  shared_threads: int = 0):
@@ -181,8 +182,8 @@ class RolloutCollector:
                         with t("logprobs"):
                             lp = self.logprobs(self.policy, r.tokens, r.lengths)
                     if self.reference is not None:
-                        with t("init_logprobs"):
-                            ref = self.logprobs(self.reference, r.tokens, r.lengths)
+                        with t("init_logprobs"), self.reference.resident() as reference:
+                            ref = self.logprobs(reference, r.tokens, r.lengths)
             parts.append((r, values, scores, lp, ref))
         with t("critic_wait"):
             remote = [(v.result()[0] if v is not None and train else None, s.result()) for _, v, s, _, _ in parts]

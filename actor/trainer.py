@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from algorithms import (
     adaptive_kl_coef,
@@ -48,6 +48,7 @@ from .clients import RemoteError
 from .config import ActorConfig
 from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .generation import SamplingParams, TorchGenerationBackend
+from .models import load_models
 from .rollouts import RolloutBatch, RolloutCollector
 from .servers import Servers
 from .tracking import MetricsTracker, Timers, step_breakdown
@@ -80,12 +81,11 @@ class PPOTrainer:
         policy_path = str(self.resume_from / "actor") if self.resume_from else resolve_model(pol.model_name)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(self.device)
-        self.reference = None
-        if not p.skip_reference_policy_logprobs_calculation:
-            self.reference = AutoModelForCausalLM.from_pretrained(resolve_model(pol.reference_model_name or pol.model_name), dtype=dtype)
-            self.reference.to(self.device).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), **pol.optimizer.kwargs.model_dump())
+        # frozen layers, LoRA adapters, the reference's placement: actor/models.py
+        self.models = load_models(pol, self.resume_from, self.device, dtype,
+                                  with_reference=not p.skip_reference_policy_logprobs_calculation)
+        self.policy, self.reference = self.models.policy, self.models.reference
+        self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops)
         self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops)
@@ -228,7 +228,8 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         if step >= p.policy_training_start_step:
             # the critic trains at the same time: on a shared machine the actor keeps to its share of the cores
-            with t("train_time"), torch_threads(cfg.num_threads_shared if critic_train is not None else 0):
+            with t("train_time"), torch_threads(cfg.num_threads_shared if critic_train is not None else 0), \
+                    self.models.training():
                 metrics = self.train_policy(batch, advantages, loss_mask, is_weights)
         with t("critic_train_wait"):
             critic = critic_train.result() if critic_train is not None else None
@@ -297,8 +298,7 @@ class PPOTrainer:
         root = self.run_dir / "checkpoints"
         tmp, final = root / f"tmp_step_{step}", root / f"step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_pretrained(tmp / "actor")
-        self.tokenizer.save_pretrained(tmp / "actor")
+        self.models.save(tmp, self.tokenizer)
         critic_tag, critic_path = f"{self.run_id}-step_{step}", None  # the run's own namespace on the critic
         if self.critic is not None:
             try:

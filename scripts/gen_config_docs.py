@@ -51,6 +51,9 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
             default = field.default_factory() if field.default_factory else "(required)"
         desc = (field.description or "").replace("|", "\\|")
         out.append(f"| `{key}` | {type_text(ann)} | `{default!r}` | {desc} |")
+        # an optional section (null by default): its keys, which apply once it is set
+        out += [r for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)
+                for r in rows(a, f"{key}.")]
     return out
 
 

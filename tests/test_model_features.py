@@ -1,0 +1,247 @@
+"""The policy's model features: frozen lower layers (policy.num_layers_unfrozen), an offloaded reference
+(policy.reference_offload) and LoRA adapters (policy.lora), in process on the embedded policy and in real
+`python -m actor` runs against a real reward server.
+
+Tolerances: log-probs of the same weights computed the same way are compared exactly (0); a merged model against the
+adapted one 1e-5 absolute (W + BA is one float32 rounding away from W x + B A x).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from actor.checkpoints import ResumeError
+from actor.config import ActorConfig, LoraConfig, PolicyConfig
+from actor.models import (
+    ModelSetupError,
+    OffloadedReference,
+    ResidentReference,
+    freeze_lower_layers,
+    load_models,
+)
+from actor.rollouts import RolloutCollector
+from actor.tracking import Timers
+from algorithms import logprobs_from_logits, policy_loss
+from serving.modeling import attention_mask_from_lengths
+from tests.service_procs import ServiceProcess
+from tests.test_algorithm_runs import critic_dead, metrics, run_actor
+
+CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RUN = ["ppo.val_period=0", "ppo.num_prompts_per_step=4", "ppo.num_generations_per_prompt=4",
+       "policy.generation_batch_size=16", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16",
+       "logger.num_val_samples_to_print=0", "policy.generation.max_new_tokens=8", "ppo.max_num_steps=2",
+       "checkpointing.save_period=1", "ppo.ppo_epochs=1"]
+
+
+def batch(seed: int = 0, b: int = 6, s: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, 51, (b, s), generator=g)
+    lengths = torch.randint(4, s + 1, (b,), generator=g)
+    return tokens, lengths
+
+
+def logprobs(model, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    collector = RolloutCollector(policy=model, reference=None, backend=None, critic=None, score=None, pad_id=0,
+                                 device=next(model.parameters()).device, generation_batch_size=8,
+                                 logprob_batch_size=8, timers=Timers())
+    return collector.logprobs(model, tokens, lengths)
+
+
+def train_steps(models, n: int = 3, lr: float = 1e-2) -> torch.optim.Optimizer:
+    """n clipped-surrogate steps on a fixed batch with fixed advantages, as the trainer's update computes them."""
+    tokens, lengths = batch(seed=1)
+    mask = attention_mask_from_lengths(lengths - 1, tokens.shape[1] - 1).float()
+    old = logprobs(models.policy, tokens, lengths)
+    advantages = torch.linspace(-1, 1, tokens.shape[0])[:, None].expand_as(mask)
+    optimizer = torch.optim.AdamW(models.trainable, lr=lr)
+    for _ in range(n):
+        optimizer.zero_grad(set_to_none=True)
+        logits = models.policy(input_ids=tokens, attention_mask=attention_mask_from_lengths(lengths, tokens.shape[1])).logits
+        lp = logprobs_from_logits(logits[:, :-1].float(), tokens[:, 1:])
+        loss, _ = policy_loss(lp, old, advantages, mask, clip_low=0.2, clip_high=0.2, num_tokens=float(mask.sum()))
+        loss.backward()
+        optimizer.step()
+    return optimizer
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# --- frozen layers ------------------------------------------------------------------------------------------
+
+
+def test_frozen_layers_get_no_gradient_and_no_optimizer_state(embedded_cache):
+    models = load_models(PolicyConfig(num_layers_unfrozen=1), None, CPU, torch.float32, with_reference=False)
+    before = snapshot(models.policy)
+    optimizer = train_steps(models)
+    trains = {"model.layers.1.", "model.norm.", "lm_head."}
+    for name, p in models.policy.named_parameters():
+        top = any(name.startswith(t) for t in trains)
+        assert p.requires_grad == top, name
+        if top:
+            assert p.grad is not None and not torch.equal(p, before[name]), name
+        else:
+            assert p.grad is None and p not in optimizer.state and torch.equal(p, before[name]), name
+    assert len(optimizer.state) == len(models.trainable) == 11
+
+
+def test_num_layers_unfrozen_finds_gpt2_blocks_freezes_a_tied_head_and_checks_its_bound():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=40, n_positions=16))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    message = freeze_lower_layers(model, 2)
+    assert "tied" in message
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("transformer.h.1.", "transformer.h.2.", "transformer.ln_f.")) for n in trainable)
+    assert "transformer.ln_f.weight" in trainable and not model.transformer.wpe.weight.requires_grad
+    with pytest.raises(ModelSetupError, match=r"policy.num_layers_unfrozen=4, but GPT2LMHeadModel has 3 transformer"):
+        freeze_lower_layers(model, 4)
+    blockless = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    blockless.config = GPT2Config(n_layer=3)
+    with pytest.raises(ModelSetupError, match=r"policy.num_layers_unfrozen: cannot find the transformer blocks of "
+                                              r"Sequential \(no list of 3 modules\)"):
+        freeze_lower_layers(blockless, 1)
+
+
+# --- the reference ------------------------------------------------------------------------------------------
+
+
+def test_an_offloaded_reference_gives_the_resident_one_s_log_probs(embedded_assets):
+    """On a machine without a GPU both live on the CPU; with one, the offloaded copy goes to it only for the pass."""
+    tokens, lengths = batch()
+    resident = ResidentReference(AutoModelForCausalLM.from_pretrained(embedded_assets.policy).to(DEVICE).eval())
+    offloaded = OffloadedReference(AutoModelForCausalLM.from_pretrained(embedded_assets.policy).eval(), DEVICE)
+    with resident.resident() as model:
+        expected = logprobs(model, tokens, lengths)
+    with offloaded.resident() as model:
+        assert next(model.parameters()).device.type == DEVICE.type
+        got = logprobs(model, tokens, lengths)
+    assert next(offloaded.model.parameters()).device.type == "cpu"
+    assert torch.equal(got, expected)
+
+
+def test_contradictory_model_settings_are_refused_naming_both_keys():
+    with pytest.raises(ValueError, match=r"policy.lora.*policy.num_layers_unfrozen=2"):
+        ActorConfig(policy={"lora": {}, "num_layers_unfrozen": 2})
+    with pytest.raises(ValueError, match=r"policy.reference_offload=true.*policy.lora"):
+        ActorConfig(policy={"lora": {}, "reference_offload": True})
+    ActorConfig(policy={"lora": {}, "reference_offload": True, "reference_model_name": "other-sft"})
+
+
+# --- LoRA ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_trained(embedded_cache):
+    models = load_models(PolicyConfig(lora=LoraConfig(rank=4, save_merged=True)), None, CPU, torch.float32)
+    before = snapshot(models.policy)
+    optimizer = train_steps(models)
+    return models, before, optimizer
+
+
+def test_lora_trains_only_its_adapters_against_the_base_model_as_reference(lora_trained, embedded_assets):
+    models, before, optimizer = lora_trained
+    adapters = {n for n, p in models.policy.named_parameters() if "lora_" in n}
+    assert {n for n, p in models.policy.named_parameters() if p.requires_grad} == adapters
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for n, p in models.policy.named_parameters() if n in adapters}
+    for name, p in models.policy.named_parameters():  # B starts at 0, A at random: both move
+        assert torch.equal(p, before[name]) != (name in adapters), name
+    tokens, lengths = batch()
+    base = AutoModelForCausalLM.from_pretrained(embedded_assets.policy).eval()
+    with models.reference.resident() as reference:
+        ref = logprobs(reference, tokens, lengths)
+    assert torch.equal(ref, logprobs(base, tokens, lengths))  # adapters off: the base model exactly
+    assert (logprobs(models.policy, tokens, lengths) - ref).abs().max() > 1e-3  # and on again afterwards
+
+
+def test_lora_checkpoint_holds_the_adapter_and_a_merged_model(lora_trained, embedded_assets, tmp_path):
+    models, _, _ = lora_trained
+    tokenizer = AutoTokenizer.from_pretrained(embedded_assets.policy)
+    tokens, lengths = batch()
+    adapted = logprobs(models.policy, tokens, lengths)
+    weights = snapshot(models.policy)
+    models.save(tmp_path, tokenizer)
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "actor").iterdir()}
+    assert all("lora_" in k for k in load_file(tmp_path / "actor" / "adapter_model.safetensors"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "actor_merged").eval()
+    assert AutoTokenizer.from_pretrained(tmp_path / "actor_merged").get_vocab() == tokenizer.get_vocab()
+    torch.testing.assert_close(logprobs(merged, tokens, lengths), adapted, atol=1e-5, rtol=0)
+    after = snapshot(models.policy)  # saving left the trained model as it was
+    assert all(torch.equal(after[k], weights[k]) for k in weights)
+    assert torch.equal(logprobs(models.policy, tokens, lengths), adapted)
+    # resuming loads the base model plus the adapter, trainable, in the optimizer's order
+    again = load_models(PolicyConfig(lora=LoraConfig(rank=4)), tmp_path, CPU, torch.float32)
+    assert [p.shape for p in again.trainable] == [p.shape for p in models.trainable]
+    assert all(torch.equal(a, b) for a, b in zip(again.trainable, models.trainable, strict=True))
+    assert torch.equal(logprobs(again.policy, tokens, lengths), adapted)
+    with pytest.raises(ResumeError, match="holds a LoRA adapter, but policy.lora is null"):
+        load_models(PolicyConfig(), tmp_path, CPU, torch.float32)
+
+
+def test_lora_target_modules_that_match_nothing_name_the_key(embedded_cache):
+    with pytest.raises(ModelSetupError, match=r"policy.lora.target_modules=\['no_such_proj'\]"):
+        load_models(PolicyConfig(lora=LoraConfig(target_modules=["no_such_proj"])), None, CPU, torch.float32)
+
+
+# --- as a user runs them ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reward(embedded_cache, log_dir):
+    with ServiceProcess("reward", "components=[positive_fraction]", log_dir=log_dir) as server:
+        yield server
+
+
+def test_an_actor_run_with_frozen_layers_and_an_offloaded_reference(reward, embedded_assets, tmp_path):
+    run = run_actor("grpo", tmp_path / "run", *RUN, "policy.num_layers_unfrozen=1", "policy.reference_offload=true",
+                    f"reward.address={reward.address}", critic_dead())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the top 1 of 2 blocks (model.layers)" in run.stderr and "reference policy: on the CPU" in run.stderr
+    assert all(r["train_rollouts/init_policy_kl"] >= 0 and "train_optim/kl_penalty" in r for r in metrics(tmp_path / "run"))
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    start = load_file(f"{embedded_assets.policy}/model.safetensors")
+    trained = load_file(step / "actor" / "model.safetensors")
+    for name, w in start.items():
+        assert torch.equal(trained[name], w) == name.startswith(("model.embed_tokens.", "model.layers.0.")), name
+    optimizer = torch.load(step / "optimizer.pt", weights_only=True)
+    assert len(optimizer["state"]) == len(optimizer["param_groups"][0]["params"]) == 11
+    # the next run's optimizer (frozen the same way) takes that state
+    models = load_models(PolicyConfig(num_layers_unfrozen=1), step, CPU, torch.float32, with_reference=False)
+    torch.optim.AdamW(models.trainable).load_state_dict(optimizer)
+    bad = run_actor("grpo", tmp_path / "bad", "policy.num_layers_unfrozen=3")
+    assert bad.returncode == 1 and "policy.num_layers_unfrozen=3, but LlamaForCausalLM has 2" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_an_actor_run_with_lora_checkpoints_and_resumes_exactly(reward, tmp_path):
+    """Two steps, a checkpoint after each; the second is deleted and the same command resumes from the first: its
+    step 2 equals the uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    args = ("grpo", run_dir, *RUN, "policy.lora.rank=4", "policy.lora.save_merged=true",
+            f"reward.address={reward.address}", critic_dead())
+    run = run_actor(*args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "LoRA adapters (rank 4, alpha 16.0) train" in run.stderr
+    assert "the policy with its LoRA adapters disabled" in run.stderr
+    first = metrics(run_dir)
+    for step in (1, 2):
+        ck = run_dir / "checkpoints" / f"step_{step}"
+        assert (ck / "actor" / "adapter_model.safetensors").is_file() and (ck / "actor_merged" / "config.json").is_file()
+    shutil.rmtree(run_dir / "checkpoints" / "step_2")
+    again = run_actor(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming after step 1" in again.stderr
+    second = metrics(run_dir)
+    assert [r["step"] for r in second] == [1, 2]
+    timeless = [{k: v for k, v in r.items() if not k.startswith("timers/")} for r in (first[1], second[1])]
+    assert timeless[1].keys() == timeless[0].keys()
+    for key, value in timeless[0].items():
+        assert timeless[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert json.loads((run_dir / "checkpoints" / "step_2" / "checkpoint.json").read_text())["step"] == 2
