@@ -14,6 +14,7 @@ from .checkpoints import ResumeError
 from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
 from .data import DataError
+from .environments import BadEnvironment
 from .rollouts import DynamicSamplingError
 
 FLAGS = {
@@ -36,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError) as e:
+    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, BadEnvironment) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         trainer.fit()
-    except (RemoteError, DynamicSamplingError, MissingRewardComponents) as e:
+    except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
