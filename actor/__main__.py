@@ -14,6 +14,7 @@ from .checkpoints import ResumeError
 from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
 from .data import DataError
+from .environments import BadEnvironment
 from .models import ModelSetupError
 from .rollouts import DynamicSamplingError
 
@@ -37,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError) as e:
+    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         trainer.fit()
-    except (RemoteError, DynamicSamplingError, MissingRewardComponents) as e:
+    except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

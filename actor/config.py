@@ -8,9 +8,9 @@ NeMo-Aligner's names to these. Contradictory settings fail at start-up naming bo
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from serving.config import StrictModel
 
@@ -69,6 +69,8 @@ class GenerationConfig(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens; null disables.")
     stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens besides EOS.")
+    stop_strings: list[str] | None = Field(
+        None, description="A response stops right after the token that completes one of these strings in its decoded text (also across several tokens), and counts as properly ended; null disables. Checked on a window of the newest tokens (the longest string's length + 2).")
     val_temperature: float = Field(0.0, ge=0, description="Validation temperature; 0 (the default) is greedy.")
     val_top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus mass.")
     val_top_k: int | None = Field(None, ge=1, description="Validation top-k; null disables.")
@@ -116,6 +118,9 @@ class PolicyConfig(StrictModel):
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PolicyConfig:
+        if any(not s for s in self.generation.stop_strings or []):
+            raise ValueError(f"policy.generation.stop_strings: every stop string must be non-empty, got "
+                             f"{self.generation.stop_strings!r}")
         if self.train_global_batch_size % self.train_micro_batch_size:
             raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                              f"policy.train_micro_batch_size ({self.train_micro_batch_size})")
@@ -203,6 +208,8 @@ class PPOConfig(StrictModel):
         0, ge=0, description="The policy trains at steps >= this (steps count from 1, so 0 and 1 both train from the first); the critic trains from the first step. NeMo-Aligner critic_warmup_steps=N is N + 1."
     )
     skip_reference_policy_logprobs_calculation: bool = Field(False, description="Skip the reference model (allowed only without any KL term).")
+    max_rollout_turns: int = Field(
+        1, ge=1, description="With an environment (env.name): the most policy turns of an episode; each turn generates up to policy.generation.max_new_tokens, the environment answers, and its observation is appended for the next turn. Above 1 needs env.name.")
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
@@ -280,6 +287,41 @@ class CheckpointingConfig(StrictModel):
         return (days[0] if days else 0) * 86400 + h * 3600 + m * 60 + sec
 
 
+class EnvConfig(StrictModel):
+    """The environment a multi-turn episode alternates with (docs/environments.md). Its own options sit beside
+    `name` in this section and are checked by the environment's `Options` model."""
+
+    model_config = ConfigDict(extra="allow", validate_default=True)
+
+    name: str | None = Field(
+        None, description="null: no environment (one response per sample, rewards from the reward source); a built-in environment (retry_with_feedback) or an importable 'package.module:Class'. Its rewards become the sample rewards; its own keys sit beside name (docs/environments.md).")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The environment's own keys (everything in the section but `name`)."""
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _known(self) -> EnvConfig:
+        if self.name is not None:
+            # imported late: the environments import the clients, which import this module
+            from .environments import environment_options
+
+            environment_options(self.name, self.options)  # raises naming env.<key>
+        elif self.options:
+            raise ValueError(f"env: {', '.join(sorted(self.options))} set without env.name")
+        return self
+
+    @property
+    def uses_reward_server(self) -> bool:
+        """Whether the environment scores through the configured reward server."""
+        if self.name is None:
+            return False
+        from .environments import environment_options
+
+        return environment_options(self.name, self.options).uses_reward_server
+
+
 class ActorConfig(StrictModel):
     """Every key of the actor, with its default."""
 
@@ -298,6 +340,7 @@ class ActorConfig(StrictModel):
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
 
     @property
     def rollout_samples(self) -> int:
@@ -336,6 +379,16 @@ class ActorConfig(StrictModel):
         if self.loss_fn.truncated_importance_sampling_type and not self.loss_fn.use_importance_sampling_correction:
             raise ValueError("loss_fn.truncated_importance_sampling_type is set but "
                              "loss_fn.use_importance_sampling_correction is false")
+        if p.max_rollout_turns > 1 and self.env.name is None:
+            raise ValueError(f"ppo.max_rollout_turns={p.max_rollout_turns} alternates generation with an environment: "
+                             "set env.name (e.g. retry_with_feedback) or ppo.max_rollout_turns=1")
+        if self.env.name is not None and self.reward.source != "server":
+            raise ValueError(f"env.name={self.env.name} gives the rewards (through the reward server at "
+                             f"reward.address when its scorer is one): reward.source={self.reward.source} cannot "
+                             "apply; use reward.source=server")
+        if self.env.name is not None and est.name == "gdpo":
+            raise ValueError(f"{name} needs named reward components, but env.name={self.env.name} gives one reward "
+                             "per sample: use grpo, gae, raw_reward or reinforce_plus_plus")
         if self.policy.generation.reuse_logprobs and self.loss_fn.use_importance_sampling_correction:
             raise ValueError("policy.generation.reuse_logprobs=true makes the policy's log-probs the generation "
                              "engine's, so loss_fn.use_importance_sampling_correction would correct nothing: "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -23,6 +23,8 @@ from transformers.generation.logits_process import (
 )
 
 from serving.modeling import pad_and_stack, right_pad
+
+from .stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class SamplingParams:
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables
     stop_token_ids: tuple[int, ...] = ()  # EOS plus any extra stop tokens
+    stop_strings: tuple[str, ...] = ()  # a row stops once its decoded response contains one (needs the tokenizer)
 
 
 @dataclass
@@ -48,24 +51,35 @@ class Rollout:
     # float32 [B, S-1]: the generation engine's log-prob of each response action (0 elsewhere), the
     # behaviour policy of importance-sampling correction when the engine is not the trained policy
     logprobs: torch.Tensor | None = None
+    # float32 [B, S-1]: 1 on the actions the policy sampled, where the response interleaves other tokens (a
+    # multi-turn episode's observations); None: every response action is the policy's
+    policy_mask: torch.Tensor | None = None
+    # float32 [B]: rewards that came with the rollout (an environment's); None: a reward source scores it
+    rewards: torch.Tensor | None = None
 
     @property
     def response_lengths(self) -> torch.Tensor:
         return self.lengths - self.prompt_lengths
 
     def action_mask(self) -> torch.Tensor:
-        """float32 [B, S-1]: 1 on actions that produced response tokens (action t produces token t+1)."""
+        """float32 [B, S-1]: 1 on actions that produced response tokens the policy sampled (action t produces
+        token t+1); observation tokens of a multi-turn episode are 0."""
+        if self.policy_mask is not None:
+            return self.policy_mask
         t = torch.arange(self.tokens.shape[1] - 1)[None, :]
         return ((t >= self.prompt_lengths[:, None] - 1) & (t < self.lengths[:, None] - 1)).float()
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """Stack micro-batch rollouts of different widths into one batch."""
-    logprobs = None
-    if all(p.logprobs is not None for p in parts):
-        logprobs = pad_and_stack([p.logprobs for p in parts])
+    def stack(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return pad_and_stack(xs) if all(x is not None for x in xs) else None
+
+    rewards = [p.rewards for p in parts]
     return Rollout(pad_and_stack([p.tokens for p in parts], pad_id), torch.cat([p.lengths for p in parts]),
-                   torch.cat([p.prompt_lengths for p in parts]), torch.cat([p.ended for p in parts]), logprobs)
+                   torch.cat([p.prompt_lengths for p in parts]), torch.cat([p.ended for p in parts]),
+                   stack([p.logprobs for p in parts]), stack([p.policy_mask for p in parts]),
+                   torch.cat(rewards) if all(x is not None for x in rewards) else None)
 
 
 def select_rows(r: Rollout, index: torch.Tensor) -> Rollout:
@@ -73,7 +87,9 @@ def select_rows(r: Rollout, index: torch.Tensor) -> Rollout:
     lengths = r.lengths[index]
     width = int(lengths.max()) if len(index) else 1
     return Rollout(r.tokens[index, :width], lengths, r.prompt_lengths[index], r.ended[index],
-                   None if r.logprobs is None else r.logprobs[index, :width - 1])
+                   None if r.logprobs is None else r.logprobs[index, :width - 1],
+                   None if r.policy_mask is None else r.policy_mask[index, :width - 1],
+                   None if r.rewards is None else r.rewards[index])
 
 
 class GenerationBackend(Protocol):
@@ -234,14 +250,16 @@ class TorchGenerationBackend:
     Finished rows leave the batch: when the rows still running drop below `compact_below` of the rows in the batch,
     the batch is compacted (cache rows, positions, mask, sampled history); until then finished rows ride along and
     their samples are discarded. `compact_below=0` never compacts, 1 compacts as soon as any row finishes. The one
-    host sync per decode step is the count of finished rows (none without stop tokens).
+    host sync per decode step is the count of finished rows (none without stop tokens). Stop strings
+    (`SamplingParams.stop_strings`, with the `tokenizer`) decode a window of each running row's newest tokens every
+    step (`StopStringMatcher`); without them nothing is decoded.
 
     With a fixed seed the output is deterministic; rows share one random stream, so a row's sample depends on the
     batch it is in (as before).
     """
 
     def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device, *, kv_cache: str = "auto",
-                 compact_below: float = 0.75):
+                 compact_below: float = 0.75, tokenizer: PreTrainedTokenizerBase | None = None):
         if kv_cache not in ("auto", "dynamic"):
             raise ValueError(f"kv_cache must be 'auto' or 'dynamic', got {kv_cache!r}")
         if not 0.0 <= compact_below <= 1.0:
@@ -251,6 +269,7 @@ class TorchGenerationBackend:
         self.device = device
         self.kv_cache = kv_cache
         self.compact_below = compact_below
+        self.tokenizer = tokenizer  # decodes the newest tokens when stop strings are set
         self.last_stats = GenerationStats()
         self._no_preallocated: set[type] = set()  # model classes that failed on the pre-allocated cache
 
@@ -262,6 +281,8 @@ class TorchGenerationBackend:
         """Sample one response per prompt; what it took is in `last_stats`."""
         if params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer: TorchGenerationBackend(..., tokenizer=...)")
         b = len(prompts)
         widths = torch.tensor([len(p) for p in prompts])
         p_max = int(widths.max())
@@ -296,11 +317,14 @@ class TorchGenerationBackend:
         finally:
             self.model.train(was_training)
 
-        out, out_lp = out
+        out, out_lp, string_end = out
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long)
         is_stop = torch.isin(out, stops)
         done = is_stop.any(1)
         resp_len = torch.where(done, is_stop.int().argmax(1) + 1, params.max_new_tokens)
+        by_string = string_end > 0  # the response ends right after the token that completed a stop string
+        resp_len = torch.where(by_string, torch.minimum(resp_len, string_end), resp_len)
+        done = done | by_string
         rows = [list(p) + out[i, : int(resp_len[i])].tolist() for i, p in enumerate(prompts)]
         tokens, lengths = right_pad(rows, self.pad_id)
         logprobs = torch.zeros((b, tokens.shape[1] - 1), dtype=torch.float32)
@@ -310,14 +334,16 @@ class TorchGenerationBackend:
         return Rollout(tokens, lengths, widths.clone(), done, logprobs)
 
     def _decode(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams, seed: int,
-                cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample up to max_new_tokens per row into (tokens int64 [B, N], log-probs float32 [B, N]) on the CPU;
-        after a row's stop token its tokens are pad."""
+                cache: Cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample up to max_new_tokens per row into (tokens int64 [B, N], log-probs float32 [B, N], stop-string
+        ends int64 [B]: the response length where a stop string ended it, else 0) on the CPU; after a row's stop
+        token or stop string its tokens are pad."""
         model, dev, pad, n_new = self.model, self.device, self.pad_id, params.max_new_tokens
         b, p_max = ids.shape
         stats = GenerationStats(cache="preallocated" if isinstance(cache, PreallocatedCache) else "dynamic")
         warpers = _warpers(params)
         stops = torch.tensor(params.stop_token_ids, device=dev, dtype=torch.long)
+        matcher = StopStringMatcher(self.tokenizer, params.stop_strings) if params.stop_strings else None
         gen = torch.Generator(device=dev).manual_seed(seed)
         keep_last = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
         compact = self.compact_below > 0 and all(type(layer) in _SELECTABLE_LAYERS for layer in cache.layers)
@@ -340,11 +366,13 @@ class TorchGenerationBackend:
 
         out = torch.full((b, n_new), pad, dtype=torch.long, device=dev)  # by prompt row
         out_lp = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
+        ends = torch.zeros(b, dtype=torch.long, device=dev)  # stop-string ends, by prompt row
         # By batch slot: the row each slot holds, its samples so far (the warpers' input ids), whether it finished.
         rows = torch.arange(b, device=dev)
         hist = torch.full((b, n_new), pad, dtype=torch.long, device=dev)
         hist_lp = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
         finished = torch.zeros(b, dtype=torch.bool, device=dev)
+        string_end = torch.zeros(b, dtype=torch.long, device=dev)  # by batch slot, like `finished`
         for t in range(n_new):
             logits = logits.float()
             if params.temperature == 0:
@@ -357,11 +385,16 @@ class TorchGenerationBackend:
             nxt = nxt.masked_fill(finished, pad)
             hist[:, t] = nxt
             hist_lp[:, t] = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
+            if matcher is not None:  # before the length check: the last token may complete a stop string too
+                hit = matcher.completed(hist, t, finished)
+                string_end = torch.where(hit, t + 1, string_end)
+                finished |= hit
             if t + 1 == n_new:
                 break
             n = nxt.shape[0]
-            if len(stops):
-                finished |= torch.isin(nxt, stops)
+            if len(stops) or matcher is not None:
+                if len(stops):
+                    finished |= torch.isin(nxt, stops)
                 running = n - int(finished.sum())  # the step's one host sync
                 if running == 0:
                     break
@@ -370,8 +403,9 @@ class TorchGenerationBackend:
                     out_lp.index_copy_(0, rows, hist_lp)
                     keep = (~finished).nonzero().squeeze(1)
                     cache.batch_select_indices(keep)
+                    ends.index_copy_(0, rows, string_end)
                     rows, hist, hist_lp, mask, pos, nxt = (x[keep] for x in (rows, hist, hist_lp, mask, pos, nxt))
-                    finished = finished[keep]
+                    finished, string_end = finished[keep], string_end[keep]
                     stats.compactions += 1
             logits = model(input_ids=nxt[:, None], attention_mask=mask[:, : p_max + t + 1], position_ids=pos,
                            past_key_values=cache, use_cache=True, **keep_last).logits[:, -1, :]
@@ -380,8 +414,9 @@ class TorchGenerationBackend:
             stats.row_steps += nxt.shape[0]
         out.index_copy_(0, rows, hist)
         out_lp.index_copy_(0, rows, hist_lp)
+        ends.index_copy_(0, rows, string_end)
         self.last_stats = stats
-        return out.cpu(), out_lp.cpu()
+        return out.cpu(), out_lp.cpu(), ends.cpu()
 
 
 # Cache layers whose `batch_select_indices` keeps all their per-row state (linear-attention layers, for one, do not).

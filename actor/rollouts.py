@@ -153,6 +153,10 @@ class RolloutCollector:
         with torch.no_grad():
             return by_length(pass_, tokens, lengths, self.logprob_batch_size, self.device)
 
+    def generate_rows(self, prompts: list[Prompt], params: SamplingParams, seed: int) -> Rollout:
+        """One generation batch: a response per prompt (actor/multiturn.py makes episodes instead)."""
+        return self.backend.generate([p.ids for p in prompts], params, seed=seed)
+
     def generate(self, prompts: list[Prompt], params: SamplingParams, seed: int, generations: int = 1,
                  batch_size: int | None = None, train: bool = True) -> RolloutBatch:
         """`generations` samples of every prompt (consecutive rows, one group id per prompt), scored. With
@@ -167,7 +171,7 @@ class RolloutCollector:
         parts = []
         for i in range(0, len(rows), step):
             with t("generate"):
-                r = self.backend.generate([p.ids for p in rows[i:i + step]], params, seed=seed * 100_003 + i)
+                r = self.generate_rows(rows[i:i + step], params, seed * 100_003 + i)
             chunk_labels = None if labels is None else labels[i:i + step]
             with t("transfer"):  # requests encoded and sent; the replies are awaited below
                 values = (self.critic.infer(r.tokens, r.lengths)

@@ -53,6 +53,9 @@ class Servers:
             check_compatible("critic", critic_info, sha, vocab, needed, why)
             self.critic_seen = (critic_info.instance_id, critic_info.train_step)
         labelled = all(p.label is not None for p in self.train_prompts)
+        if cfg.env.name is not None and not cfg.env.uses_reward_server:
+            log.info("env.name=%s gives the rewards: no reward server is used", cfg.env.name)
+            return None
         if cfg.reward.source == "critic":
             if not critic_info.serves_rewards:
                 raise SystemExit("reward.source=critic needs a combined RM + critic server (critic_server --reward-model ...)")

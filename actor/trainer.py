@@ -49,6 +49,7 @@ from .config import ActorConfig
 from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .generation import SamplingParams, TorchGenerationBackend
 from .models import load_models
+from .multiturn import episode_metrics, multi_turn_collector
 from .rollouts import RolloutBatch, RolloutCollector
 from .servers import Servers
 from .tracking import MetricsTracker, Timers, step_breakdown
@@ -87,8 +88,10 @@ class PPOTrainer:
         self.policy, self.reference = self.models.policy, self.models.reference
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
-        self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops)
-        self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops)
+        strings = tuple(gen.stop_strings or ())
+        self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops, strings)
+        self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops,
+                                           strings)
 
         d = cfg.data
         self.train_prompts = load_prompts(resolve_data_file(d.train_file), d.prompt_key, self.tokenizer,
@@ -102,8 +105,13 @@ class PPOTrainer:
         self.run_id = run_id_of(self.run_dir)
         self.servers = Servers(cfg, self.tokenizer, max_length_of(self.policy), self.train_prompts, self.val_prompts)
         self.critic = self.servers.critic
-        self.collector = RolloutCollector(
-            policy=self.policy, reference=self.reference, backend=TorchGenerationBackend(self.policy, self.pad_id, self.device),
+        # with an environment, each generation batch is a batch of multi-turn episodes (actor/multiturn.py)
+        collector = (RolloutCollector if cfg.env.name is None else
+                     multi_turn_collector(cfg, self.tokenizer, self.servers.reward, max_length_of(self.policy)))
+        self.episode_metrics = (lambda mask: {}) if cfg.env.name is None else episode_metrics
+        self.collector = collector(
+            policy=self.policy, reference=self.reference,
+            backend=TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer),
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared)
@@ -249,6 +257,7 @@ class PPOTrainer:
             "train_rollouts/fraction_of_samples_properly_ended": float(r.ended.float().mean()),
             "train_rollouts/loss_tokens_fraction": float(loss_mask.sum() / mask.sum().clamp(min=1)),
             **{f"train_rollouts/{k}": float(v.mean()) for k, v in batch.components.items()},
+            **self.episode_metrics(mask),
             **{f"train_optim/{k}": float(v) for k, v in is_metrics.items()},
         })
         if critic is not None:

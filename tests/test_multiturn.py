@@ -1,0 +1,261 @@
+"""Multi-turn episodes with an environment: the masks and the reward placement of a hand-built episode, the
+collector's turn loop with a scripted environment (termination, stop strings, summed rewards, max turns), the
+config's refusals, the reward server as an environment's scorer, and `configs/multiturn.yaml` learning against
+real server processes."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actor.advantages import AdvantageInputs, build_advantages
+from actor.clients import RewardClient
+from actor.config import ActorConfig, AdvEstimatorConfig, RewardConfig
+from actor.data import Prompt
+from actor.environments import (
+    BadEnvironment,
+    EnvironmentContext,
+    EnvironmentOptions,
+    EnvironmentStep,
+    Message,
+    build_environment,
+)
+from actor.generation import SamplingParams, TorchGenerationBackend
+from actor.models import ResidentReference
+from actor.multiturn import Episode, MultiTurnCollector, count_turns, episodes_to_rollout
+from actor.tracking import Timers
+from algorithms import compute_gae, kl_penalty, token_level_rewards
+from embedded.task import positive_fraction
+from serving.config import ConfigError, load_config
+from tests.service_procs import ServiceProcess
+from tests.test_algorithm_runs import metrics, run_actor
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_assets):
+    return AutoTokenizer.from_pretrained(embedded_assets.policy)
+
+
+@pytest.fixture(scope="module")
+def policy(embedded_assets):
+    return AutoModelForCausalLM.from_pretrained(embedded_assets.policy)
+
+
+# --- a hand-built two-turn episode ------------------------------------------------------------------------
+
+
+def test_observation_tokens_are_out_of_the_masks_and_the_reward_is_on_the_last_assistant_token():
+    # prompt [5, 6] | turn 1 [10, 11, 3] | observation [7, 8] | turn 2 [12, 3]   (3 is EOS)
+    e = Episode.start([5, 6], "p", None)
+    e.add_turn([10, 11, 3], [-0.1, -0.2, -0.3], True, "a")
+    e.add_observation([7, 8], "o")
+    e.add_turn([12, 3], [-0.4, -0.5], True, "b")
+    e.reward = 0.2 + 0.5  # two turns' rewards, summed
+    short = Episode.start([5], "q", None)
+    short.add_turn([13], [-0.6], False, "c")
+    short.reward = 1.0
+    r = episodes_to_rollout([e, short], pad_id=0)
+
+    assert r.tokens[0].tolist() == [5, 6, 10, 11, 3, 7, 8, 12, 3] and r.lengths.tolist() == [9, 2]
+    mask = r.action_mask()  # action t produced token t + 1
+    assert mask[0].tolist() == [0, 1, 1, 1, 0, 0, 1, 1]
+    assert mask[1].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
+    assert r.logprobs[0].tolist() == pytest.approx([0, -0.1, -0.2, -0.3, 0, 0, -0.4, -0.5])
+    assert r.rewards.tolist() == pytest.approx([0.7, 1.0]) and r.ended.tolist() == [True, False]
+    assert count_turns(mask).tolist() == [2, 1]
+
+    # the KL is masked out of the observation actions exactly as the trainer does it
+    lp, ref = torch.randn(2, 8), torch.randn(2, 8)
+    kl = kl_penalty(lp, ref, "k1", absolute=True) * mask
+    assert kl[0, 4:6].abs().sum() == 0 and kl[0, 6:].abs().sum() > 0
+    # the reward lands on the last assistant action (the second EOS), nothing on observations
+    rewards = token_level_rewards(r.rewards, 0.1 * kl, mask, 1.0)
+    assert rewards[0, 7] == pytest.approx(0.7 - 0.1 * float(kl[0, 7]))
+    assert rewards[0, 4:6].tolist() == [0.0, 0.0] and rewards[1, 0] == pytest.approx(1.0 - 0.1 * float(kl[1, 0]))
+
+    # GAE runs over the whole span and passes over the observation: equal to GAE on the assistant actions alone
+    values = torch.randn(2, 8)
+    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    assert adv[0, 4:6].tolist() == [0.0, 0.0] and ret[0, 4:6].tolist() == [0.0, 0.0]
+    keep = mask[0].bool()
+    a_alone, r_alone = compute_gae(rewards[:1, keep], values[:1, keep], torch.ones(1, int(keep.sum())), 0.9, 0.8)
+    assert torch.allclose(adv[0, keep], a_alone[0]) and torch.allclose(ret[0, keep], r_alone[0])
+
+    # the critic-free estimators broadcast to the assistant actions only
+    for name in ("grpo", "reinforce_plus_plus", "raw_reward"):
+        estimate, finish = build_advantages(AdvEstimatorConfig(name=name))
+        a, _ = estimate(AdvantageInputs(rewards=r.rewards, components={}, group_ids=torch.tensor([0, 0]), mask=mask,
+                                        values=None, kl_penalty=torch.zeros_like(mask)))
+        a = finish(a, mask)
+        assert a[0, 4:6].tolist() == [0.0, 0.0] and a[0, 0] == 0.0 and a[0, 7] != 0.0, name
+
+
+# --- the collector's turn loop ----------------------------------------------------------------------------
+
+
+class ScriptOptions(EnvironmentOptions):
+    stop: str = "a"  # the first word with an "a" ends a turn
+    end_after: int = 2  # the samples of the prompt labelled 0 terminate after this many turns; the others never do
+
+
+class ScriptedEnvironment:
+    """Reward 1 per turn, plus 10 on the terminating turn; asks every sample to stop its next turn at `stop`."""
+
+    Options = ScriptOptions
+
+    def __init__(self, options: ScriptOptions, context: EnvironmentContext):
+        self.options, self.calls = options, []
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentStep:
+        self.calls.append(([log[-1] for log in message_logs], [dict(m) for m in metadata]))
+        turns = [sum(m.role == "assistant" for m in log) for log in message_logs]
+        terminated = [m["label"] == 0 and t >= self.options.end_after for m, t in zip(metadata, turns, strict=True)]
+        return EnvironmentStep(
+            observations=["really bad =>"] * len(message_logs),
+            rewards=torch.tensor([1.0 + 10 * d for d in terminated]),
+            terminated=torch.tensor(terminated),
+            next_stop_strings=[[self.options.stop]] * len(message_logs),
+            metadata=[{**m, "seen": m.get("seen", 0) + 1} for m in metadata],
+        )
+
+
+def collector(policy, tok, env, max_turns: int, max_length: int = 64) -> MultiTurnCollector:
+    return MultiTurnCollector(
+        environment=env, tokenizer=tok, max_turns=max_turns, max_length=max_length, policy=policy, reference=ResidentReference(policy),
+        backend=TorchGenerationBackend(policy, tok.pad_token_id, torch.device("cpu"), tokenizer=tok), critic=None,
+        score=None, pad_id=tok.pad_token_id, device=torch.device("cpu"), generation_batch_size=8,
+        logprob_batch_size=8, timers=Timers())
+
+
+def test_episodes_alternate_generation_and_the_environment(policy, tok):
+    env = build_environment("tests.test_multiturn:ScriptedEnvironment", {"end_after": 2}, EnvironmentContext(tok))
+    prompts = [Prompt(tok(p, add_special_tokens=False)["input_ids"], label=i)
+               for i, p in enumerate(["river castle =>", "garden ocean winter =>", "city =>"])]
+    c = collector(policy, tok, env, max_turns=3)
+    env.calls.clear()
+    batch = c.generate(prompts, SamplingParams(10, 1.0, 0, 1.0, (tok.eos_token_id,)), seed=5, generations=2)
+    r, obs = batch.rollout, tok("really bad =>", add_special_tokens=False)["input_ids"]
+
+    # the first step sees every sample with the prompt's label; later steps only the running ones, metadata kept
+    assert [m["label"] for m in env.calls[0][1]] == [0, 0, 1, 1, 2, 2]
+    assert all(m["seen"] == 1 for m in env.calls[1][1])
+    # rows 0 and 1 (the generations of prompt 0) terminate after 2 turns; the rest run to max_rollout_turns
+    turns = count_turns(batch.mask).tolist()
+    assert turns == [2, 2, 3, 3, 3, 3] and [len(calls) for calls, _ in env.calls] == [6, 6, 4]
+    assert batch.rewards.tolist() == [12.0, 12.0, 3.0, 3.0, 3.0, 3.0]
+    for i in range(6):
+        row = r.tokens[i, :r.lengths[i]].tolist()
+        m = batch.mask[i].tolist()
+        sampled = [row[t + 1] for t in range(len(m)) if m[t]]
+        hidden = [row[t + 1] for t in range(r.prompt_lengths[i] - 1, len(m)) if not m[t] and t + 1 < len(row)]
+        assert hidden == obs * (turns[i] - 1)  # every non-sampled response token is an observation's
+        assert len(sampled) + len(hidden) == int(r.response_lengths[i])
+    # the environment's stop string ends every turn after the first right after its first occurrence
+    later = [msg.text.split() for calls, _ in env.calls[1:] for msg in calls]
+    assert all("a" not in " ".join(words[:-1]) for words in later)
+    assert any(words and "a" in words[-1] for words in later)
+    # the policy's log-probs of the sampled tokens equal generation's: the mask lines up with the tokens
+    assert torch.allclose(batch.logprobs * batch.mask, r.logprobs * batch.mask, atol=1e-4)
+    assert batch.ref_logprobs is not None and batch.values is None
+
+
+def test_the_context_limit_ends_an_episode_and_bad_environments_are_named(policy, tok):
+    env = build_environment("tests.test_multiturn:ScriptedEnvironment", {"end_after": 99}, EnvironmentContext(tok))
+    prompt = Prompt(tok("river castle =>", add_special_tokens=False)["input_ids"])
+    c = collector(policy, tok, env, max_turns=5, max_length=3 + 6 + 3 + 6)  # room for two turns of 6 tokens
+    batch = c.generate([prompt], SamplingParams(6, 1.0, 0, 1.0, ()), seed=1, generations=2)
+    assert count_turns(batch.mask).tolist() == [2, 2] and int(batch.rollout.lengths.max()) <= 18
+
+    class Short(ScriptedEnvironment):
+        def step(self, message_logs, metadata):
+            out = super().step(message_logs, metadata)
+            out.rewards = out.rewards[:1]
+            return out
+
+    c = collector(policy, tok, Short(ScriptOptions(), EnvironmentContext(tok)), max_turns=2)
+    with pytest.raises(BadEnvironment, match=re.escape("Short.step was given 2 samples but answered {'rewards': 1}")):
+        c.generate([prompt], SamplingParams(4), seed=1, generations=2)
+    with pytest.raises(BadEnvironment, match="env.feedback='river zebra =>'.*zebra"):
+        build_environment("retry_with_feedback", {"feedback": "river zebra =>"}, EnvironmentContext(tok))
+
+
+def test_config_refuses_what_does_not_fit_together():
+    def error(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_config(ActorConfig, None, list(overrides))
+        return str(e.value)
+
+    assert "set env.name" in error("ppo.max_rollout_turns=3")
+    assert "reward.source=critic" in error("env.name=retry_with_feedback", "reward.source=critic")
+    assert "env.scorer" in error("env.name=retry_with_feedback", "env.scorer=llm")
+    assert "env.threshhold" in error("env.name=retry_with_feedback", "env.threshhold=0.4")
+    assert "unknown environment 'chess'" in error("env.name=chess")
+    assert "not an environment" in error("env.name=tests.test_multiturn:collector")
+    assert "gdpo" in error("env.name=retry_with_feedback", "ppo.adv_estimator.name=gdpo",
+                           "ppo.num_generations_per_prompt=2")
+    assert "policy.generation.stop_strings" in error('policy.generation.stop_strings=["a", ""]')
+    cfg = load_config(ActorConfig, None, ["env.name=retry_with_feedback", "env.scorer=reward_server"])
+    assert cfg.env.options == {"scorer": "reward_server"} and cfg.env.uses_reward_server
+
+
+# --- against real servers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rule_reward(embedded_cache, log_dir):
+    """A reward server scoring with the embedded task's rule, so its scores can be compared exactly."""
+    with ServiceProcess("reward", "--scorer", "positive_fraction", log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def critic(embedded_cache, log_dir, tmp_path_factory):
+    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path_factory.mktemp("ckpt")), log_dir=log_dir) as server:
+        yield server
+
+
+def test_the_reward_server_as_the_environments_scorer(rule_reward, tok):
+    """The same answers scored by the environment's local rule and by a reward server over gRPC: equal rewards,
+    terminations and feedback."""
+    client = RewardClient(RewardConfig(address=rule_reward.address))
+    try:
+        remote = build_environment("retry_with_feedback", {"scorer": "reward_server"}, EnvironmentContext(tok, client))
+        local = build_environment("retry_with_feedback", {}, EnvironmentContext(tok))
+        prompt = tok("river castle =>", add_special_tokens=False)["input_ids"]
+        logs = []
+        for answer in ("good great bad <eos>", "sad dull", "happy", "the a"):
+            ids = tok(answer, add_special_tokens=False)["input_ids"]
+            logs.append([Message("user", "river castle =>", tuple(prompt)),
+                         Message("assistant", tok.decode(ids, skip_special_tokens=True), tuple(ids))])
+        meta = [{"label": None}, {"label": None, "score": 0.5}, {"label": None}, {"label": None}]
+        a, b = remote.step(logs, meta), local.step(logs, meta)
+        truth = torch.tensor([positive_fraction(m[-1].text) for m in logs])
+        assert torch.allclose(a.rewards, truth - torch.tensor([0, 0.5, 0, 0])) and torch.allclose(a.rewards, b.rewards)
+        assert a.terminated.tolist() == b.terminated.tolist() == [True, False, True, False]
+        assert a.observations == ["", "really bad =>", "", "really bad =>"]
+        assert [m["score"] for m in a.metadata] == pytest.approx(truth.tolist())
+    finally:
+        client.close()
+
+
+def test_multiturn_config_raises_the_reward_against_real_servers(rule_reward, critic, tmp_path):
+    """`configs/multiturn.yaml` (GAE with the critic server, the environment scoring through the reward server)
+    in a short run: episodes take several turns at first, observations stay out of the loss, and the reward rises."""
+    run = run_actor("multiturn", tmp_path / "run", "ppo.max_num_steps=6", "ppo.num_prompts_per_step=32",
+                    "ppo.val_period=0", "ppo.val_at_end=true", "ppo.max_val_samples=16", "checkpointing.enabled=false",
+                    "logger.num_val_samples_to_print=2", f"reward.address={rule_reward.address}",
+                    f"critic.address={critic.address}", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    first = rows[0]
+    assert first["train_rollouts/turns"] > 1.5  # the SFT policy scores ~0.25: most samples get feedback
+    assert first["train_rollouts/assistant_tokens"] < first["train_rollouts/response_lengths"]
+    assert rows[-1]["timers/environment"] > 0 and "critic/loss" in rows[-1] and "val/rewards" in rows[-1]
+    rewards = [r["train_rollouts/rewards"] for r in rows]
+    assert sum(rewards[-2:]) / 2 - rewards[0] >= 0.15, rewards
+    assert "really bad =>" in run.stdout + run.stderr  # the printed samples show the conversation
