@@ -10,6 +10,7 @@ from serving.config import parse_cli
 from serving.security import SecurityError
 
 from .advantages import MissingRewardComponents
+from .async_rollouts import RolloutWorkerError
 from .checkpoints import ResumeError
 from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         trainer.fit()
-    except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment) as e:
+    except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment, RolloutWorkerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

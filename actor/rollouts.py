@@ -9,7 +9,7 @@ every stage: dynamic sampling keeps or drops whole groups, and the policy update
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +125,24 @@ def text_scorer(client: RewardClient | OpenRLHFRewardClient, tokenizer: PreTrain
     return score
 
 
+def generate_in_batches(generate: Callable[[list[Prompt], SamplingParams, int], Rollout], rows: list[Prompt],
+                        params: SamplingParams, seed: int, batch_size: int,
+                        timers: Timers) -> Iterator[tuple[int, Rollout]]:
+    """(offset of the first row, Rollout) per generation batch of `batch_size` rows, made by
+    `generate(rows, params, seed)`, each seeded from `seed` and its offset, generated when the iterator reaches it."""
+    for i in range(0, len(rows), batch_size):
+        with timers("generate"):
+            r = generate(rows[i:i + batch_size], params, seed * 100_003 + i)
+        yield i, r
+
+
+def split_rows(rollout: Rollout, batch_size: int) -> Iterator[tuple[int, Rollout]]:
+    """The batches generate_in_batches would have made of `rollout`'s rows, each trimmed to its longest row."""
+    n = rollout.tokens.shape[0]
+    for i in range(0, n, batch_size):
+        yield i, select_rows(rollout, torch.arange(i, min(i + batch_size, n)))
+
+
 class RolloutCollector:
     """Makes a step's RolloutBatch: per generation batch, the critic and reward requests go out as soon as the
     batch is generated and the actor computes the policy's and the reference's log-probs while they run."""
@@ -157,10 +175,11 @@ class RolloutCollector:
         """One generation batch: a response per prompt (actor/multiturn.py makes episodes instead)."""
         return self.backend.generate([p.ids for p in prompts], params, seed=seed)
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams, seed: int, generations: int = 1,
-                 batch_size: int | None = None, train: bool = True) -> RolloutBatch:
+    def generate(self, prompts: list[Prompt], params: SamplingParams | None, seed: int, generations: int = 1,
+                 batch_size: int | None = None, train: bool = True, rollout: Rollout | None = None) -> RolloutBatch:
         """`generations` samples of every prompt (consecutive rows, one group id per prompt), scored. With
-        `train`, also critic values and the policy's and reference's log-probs."""
+        `train`, also critic values and the policy's and reference's log-probs. `rollout`: those rows generated
+        already (by the async worker); then only the post-generation part runs, on the same batches."""
         t = self.timers
         rows = [p for p in prompts for _ in range(generations)]
         group_ids = torch.arange(self.next_group, self.next_group + len(prompts)).repeat_interleave(generations)
@@ -169,9 +188,9 @@ class RolloutCollector:
         labels = [p.label for p in rows] if any(p.label is not None for p in prompts) else None
         step = batch_size or self.generation_batch_size
         parts = []
-        for i in range(0, len(rows), step):
-            with t("generate"):
-                r = self.generate_rows(rows[i:i + step], params, seed * 100_003 + i)
+        chunks = (generate_in_batches(self.generate_rows, rows, params, seed, step, t) if rollout is None
+                  else split_rows(rollout, step))
+        for i, r in chunks:  # lazily: each batch's requests go out before the next batch is generated
             chunk_labels = None if labels is None else labels[i:i + step]
             with t("transfer"):  # requests encoded and sent; the replies are awaited below
                 values = (self.critic.infer(r.tokens, r.lengths)

@@ -87,6 +87,9 @@ class MetricsTracker:
             "train_optim/loss": Gauge("ppo_actor_loss", "Actor loss of the last step", registry=registry),
             "critic/loss": Gauge("ppo_actor_critic_loss", "Critic loss of the last step", registry=registry),
             "timers/step_time": Gauge("ppo_actor_step_seconds", "Wall-clock seconds of the last step", registry=registry),
+            "async/buffer_size": Gauge("ppo_actor_async_buffer_size", "Groups left in the async replay buffer", registry=registry),
+            "async/trajectory_age_max": Gauge("ppo_actor_async_trajectory_age_max", "Oldest trained group's age in steps", registry=registry),
+            "async/evictions": Gauge("ppo_actor_async_evictions", "Groups evicted as too old in the last step", registry=registry),
         }
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

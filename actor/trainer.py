@@ -44,6 +44,7 @@ from serving.rest import add_ops_routes, start_ops_thread
 
 from . import checkpoints
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
+from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
 from .clients import RemoteError
 from .config import ActorConfig
 from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
@@ -115,6 +116,9 @@ class PPOTrainer:
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared)
+        self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
+                                       self.device, pol.generation_batch_size, self.timers)
+                         if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))
 
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
         self.shape_rewards = RewardPipeline(cfg)
@@ -199,10 +203,7 @@ class PPOTrainer:
         p, lf, kc = cfg.ppo, cfg.loss_fn, cfg.ppo.kl_controller
         self.servers.watch_critic()
         with t("rollout_time"):
-            batch, gen_batches = self.collector.collect(
-                self.sampler, self.sampling, seed=p.seed + step, num_prompts=p.num_prompts_per_step,
-                generations=p.num_generations_per_prompt, dynamic_sampling=p.use_dynamic_sampling,
-                max_gen_batches=p.dynamic_sampling_max_gen_batches, batch_multiplier=p.batch_multiplier)
+            batch, gen_batches = self.rollouts.collect(step)
         r, mask = batch.rollout, batch.mask
 
         kl = torch.zeros_like(mask)
@@ -239,6 +240,7 @@ class PPOTrainer:
             with t("train_time"), torch_threads(cfg.num_threads_shared if critic_train is not None else 0), \
                     self.models.training():
                 metrics = self.train_policy(batch, advantages, loss_mask, is_weights)
+        self.rollouts.update_weights(self.policy)  # the async generation worker's next batch uses them
         with t("critic_train_wait"):
             critic = critic_train.result() if critic_train is not None else None
 
@@ -259,6 +261,7 @@ class PPOTrainer:
             **{f"train_rollouts/{k}": float(v.mean()) for k, v in batch.components.items()},
             **self.episode_metrics(mask),
             **{f"train_optim/{k}": float(v) for k, v in is_metrics.items()},
+            **self.rollouts.metrics(),
         })
         if critic is not None:
             self.servers.critic_at(critic.train_step)
@@ -375,11 +378,13 @@ class PPOTrainer:
             start = time.perf_counter()
             try:
                 metrics, last_batch = self.step(step)
-            except RemoteError:  # a server stayed away longer than its outage bound: keep what is done, then stop
-                # never over a checkpoint already written (it may hold the critic's, which is now out of reach)
+            except (RemoteError, RolloutWorkerError) as e:  # a server stayed away longer than its outage bound, or
+                # the generation worker failed: keep what is done, then stop; never over a checkpoint already
+                # written (it may hold the critic's, which is now out of reach)
                 if cfg.checkpointing.enabled and step - 1 > self.start_step and not self._checkpointed(step - 1):
                     path = self.save_checkpoint(step - 1)
-                    self.tracker.write(f"a server is unavailable: checkpoint of step {step - 1} at {path}")
+                    why = "a server is unavailable" if isinstance(e, RemoteError) else "the generation worker failed"
+                    self.tracker.write(f"{why}: checkpoint of step {step - 1} at {path}")
                 raise
             if step == self.start_step + 1 and n_print:
                 self.tracker.write(f"samples before training (step {step}):\n" + self.samples_table(last_batch, n_print))
@@ -416,6 +421,7 @@ class PPOTrainer:
 
     def close(self) -> None:
         self.ready = False
+        self.rollouts.close()
         self.tracker.close()
         self.servers.close()
         if self.ops is not None:
