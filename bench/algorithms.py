@@ -20,10 +20,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["ppo", "grpo", "gdpo", "reinforce_pp", "dapo"]
+CONFIGS = ["ppo", "grpo", "gdpo", "reinforce_pp", "dapo", "async_grpo", "multiturn"]
 DOC = ROOT / "docs" / "algorithms.md"
 PLOT = ROOT / "docs" / "algorithm_curves.png"
 TRUTH = "train_rollouts/reward/positive_fraction"
+# multi-turn episodes report no reward components: their reward is the reward model's score of the last answer, the
+# closest measure of the same truth (the table says so)
+EPISODE_TRUTH = "train_rollouts/rewards"
+
+
+def truth(row: dict) -> float:
+    return row[TRUTH] if TRUTH in row else row[EPISODE_TRUTH]
 
 
 def run(name: str, steps: int, out: Path) -> tuple[list[dict], float]:
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for name, (rows, _) in results.items():
-        ax.plot([r["step"] for r in rows], [r[TRUTH] for r in rows], marker="o", markersize=3, label=name)
+        ax.plot([r["step"] for r in rows], [truth(r) for r in rows], marker="o", markersize=3, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("positive-word fraction of rollouts")
     ax.set_title("embedded task, ground-truth reward per step")
@@ -70,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| config | estimator | samples/step | truth, step 1 | truth, last 3 | gap to 1.0 closed | s/step | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for name, (rows, elapsed) in results.items():
-        first = rows[0][TRUTH]
-        last3 = sum(r[TRUTH] for r in rows[-3:]) / len(rows[-3:])
+        first = truth(rows[0])
+        last3 = sum(truth(r) for r in rows[-3:]) / len(rows[-3:])
         step_s = sum(r["timers/step_time"] for r in rows) / len(rows)
         lines.append(f"| `configs/{name}.yaml` | {_estimator(name)} | {int(rows[0]['train_rollouts/rollout_size'])} | {first:.3f} | "
                      f"{last3:.3f} | {(last3 - first) / max(1 - first, 1e-9):.0%} | {step_s:.2f} | {elapsed:.0f} |")
+    if any(TRUTH not in rows[0] for rows, _ in results.values()):
+        lines.append("")
+        lines.append("Episodes (`multiturn.yaml`) report no reward components: their column is the learned reward model's "
+                     "score of each episode's last answer.")
     table = "\n".join(lines)
     print(table)
     if not args.no_docs:
