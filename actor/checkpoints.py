@@ -79,6 +79,24 @@ def read_state(directory: Path) -> tuple[dict[str, Any], dict, dict[str, Any]]:
     return json.loads((directory / STATE_FILE).read_text()), optimizer, rng
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, state: dict[str, Any], directory: Path) -> None:
+    """Load the optimizer state `saved` of checkpoint `directory` (trainer state `state`) into `optimizer`. It holds
+    one entry per trainable tensor, so a run that trains other tensors (another policy.num_layers_unfrozen, LoRA's
+    target_modules) cannot take it: ResumeError naming the keys."""
+    then = state.get("config", {}).get("policy", {})
+    held = [len(g["params"]) for g in saved["param_groups"]]
+    here = [len(g["params"]) for g in optimizer.param_groups]
+    try:
+        if held != here:
+            raise ValueError(f"it holds {sum(held)} trainable tensors, this run trains {sum(here)}")
+        optimizer.load_state_dict(saved)
+    except ValueError as e:
+        raise ResumeError(
+            f"{directory}: its optimizer state does not fit this run's trainable parameters ({e}): resume with the "
+            f"policy.num_layers_unfrozen ({then.get('num_layers_unfrozen')}) and policy.lora the run was started "
+            "with, or checkpointing.resume=never") from None
+
+
 def prune(root: Path, cfg: CheckpointingConfig) -> None:
     """With keep_top_k: keep the latest checkpoint and the k best by metric_name; delete the others."""
     if cfg.keep_top_k is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from serving.config import StrictModel
 
@@ -70,7 +70,7 @@ class GenerationConfig(StrictModel):
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens; null disables.")
     stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens besides EOS.")
     stop_strings: list[str] | None = Field(
-        None, description="A response stops right after the token that completes one of these strings in its decoded text (also across several tokens), and counts as properly ended; null disables. Checked on a window of the newest tokens (the longest string's length + 2).")
+        None, description="A response stops right after the token that completes one of these strings in its decoded text (also across several tokens), and counts as properly ended; null disables. Checked on a window of the newest tokens (the longest string's length in UTF-8 bytes + 2, as a byte-level tokenizer may split one character into several tokens).")
     val_temperature: float = Field(0.0, ge=0, description="Validation temperature; 0 (the default) is greedy.")
     val_top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus mass.")
     val_top_k: int | None = Field(None, ge=1, description="Validation top-k; null disables.")
@@ -96,8 +96,16 @@ class LoraConfig(StrictModel):
     rank: int = Field(8, ge=1, description="Rank r of each adapter's A [r, in] and B [out, r] matrices.")
     alpha: float = Field(16.0, gt=0, description="Scale: the adapter adds (alpha / rank) * B A x to a layer's output.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during the policy update only (generation and log-prob passes run without it, so with > 0 the first epoch's ratio is no longer exactly 1).")
-    target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters: peft's 'all-linear' (every linear layer but the LM head), or module names such as [q_proj, v_proj].")
+    target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters: peft's 'all-linear' (every linear layer but the LM head, GPT-2's Conv1D included), another string as a regular expression on whole module names, or module names such as [q_proj, v_proj].")
     save_merged: bool = Field(False, description="Checkpoints also hold step_N/actor_merged: the base weights with the adapters merged in, loadable with AutoModelForCausalLM.from_pretrained.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v: str | list[str]) -> str | list[str]:
+        if not v or (isinstance(v, list) and not all(v)):
+            raise ValueError(f"expected 'all-linear' or a list of module names such as "
+                             f"[q_proj, v_proj], got {v!r}")
+        return v
 
 
 class PolicyConfig(StrictModel):

@@ -14,6 +14,7 @@ What trains (docs/policy_models.md):
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -136,8 +137,10 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
     try:
         return get_peft_model(model, PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                                     target_modules=targets, task_type="CAUSAL_LM"))
-    except ValueError as e:
-        raise ModelSetupError(f"policy.lora.target_modules={targets!r}: {e}") from None
+    except ValueError as e:  # peft prints a whole module (a block list: the whole model) that it cannot adapt
+        why = re.sub(r"Target module (\w+)\(.*\) is not supported", r"Target module \1 is not supported", str(e),
+                     flags=re.DOTALL)
+        raise ModelSetupError(f"policy.lora.target_modules={targets!r}: {why}") from None
 
 
 def merged_state_dict(adapted: PeftModel) -> dict[str, torch.Tensor]:

@@ -341,7 +341,7 @@ class PPOTrainer:
         """Continue from a checkpoint: optimizer, data position, random states, KL coefficient, and the critic
         returned to its checkpoint of the same step. Returns the step the checkpoint finished."""
         state, optimizer, rng = checkpoints.read_state(directory)
-        self.optimizer.load_state_dict(optimizer)
+        checkpoints.load_optimizer_state(self.optimizer, optimizer, state, directory)
         self.sampler.load_state_dict(rng["sampler"])
         self.shuffle_gen.set_state(rng["shuffle"])
         torch.set_rng_state(rng["torch"])

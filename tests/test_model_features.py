@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from actor.checkpoints import ResumeError
+from actor.checkpoints import ResumeError, load_optimizer_state
 from actor.config import ActorConfig, LoraConfig, PolicyConfig
 from actor.models import (
     ModelSetupError,
@@ -91,6 +91,18 @@ def test_frozen_layers_get_no_gradient_and_no_optimizer_state(embedded_cache):
         else:
             assert p.grad is None and p not in optimizer.state and torch.equal(p, before[name]), name
     assert len(optimizer.state) == len(models.trainable) == 11
+
+
+def test_resuming_with_other_frozen_layers_is_refused_naming_the_key(tmp_path):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=40, n_positions=16))
+    freeze_lower_layers(model, 1)
+    saved = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]).state_dict()
+    freeze_lower_layers(model, 2)
+    state = {"config": {"policy": {"num_layers_unfrozen": 1}}}
+    with pytest.raises(ResumeError, match=r"holds 14 trainable tensors, this run trains 26\): resume with the "
+                                          r"policy.num_layers_unfrozen \(1\)"):
+        load_optimizer_state(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), saved, state,
+                             tmp_path)
 
 
 def test_num_layers_unfrozen_finds_gpt2_blocks_freezes_a_tied_head_and_checks_its_bound():
@@ -189,6 +201,9 @@ def test_lora_checkpoint_holds_the_adapter_and_a_merged_model(lora_trained, embe
 def test_lora_target_modules_that_match_nothing_name_the_key(embedded_cache):
     with pytest.raises(ModelSetupError, match=r"policy.lora.target_modules=\['no_such_proj'\]"):
         load_models(PolicyConfig(lora=LoraConfig(target_modules=["no_such_proj"])), None, CPU, torch.float32)
+    with pytest.raises(ModelSetupError) as err:  # a module peft cannot adapt is named by its type, not printed whole
+        load_models(PolicyConfig(lora=LoraConfig(target_modules=["layers"])), None, CPU, torch.float32)
+    assert "['layers']: Target module ModuleList is not supported" in str(err.value) and "\n" not in str(err.value)
 
 
 # --- as a user runs them ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actor.generation import Rollout, SamplingParams, TorchGenerationBackend
+from actor.stop_strings import StopStringMatcher
 
 PROMPTS = ["river castle winter =>", "garden ocean =>", "city forest market island =>", "train bridge =>"] * 2
 
@@ -79,3 +80,49 @@ def test_stop_strings_with_compaction_and_without_a_tokenizer(setup):
     with pytest.raises(ValueError, match="stop strings need the tokenizer"):
         TorchGenerationBackend(model, tok.pad_token_id, torch.device("cpu")).generate(
             ids, SamplingParams(4, stop_strings=strings), seed=0)
+
+
+@pytest.fixture(scope="module")
+def byte_level_tokenizer():
+    """A GPT-2-style byte-level BPE trained on task words: "é" is 2 tokens and an emoji 4, one byte each."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from embedded import task
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([" ".join(task.VOCAB[4:])] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize("text, stop", [("good happy 🚀 great", "🚀"), ("bad café good", "é"),
+                                        ("great happy sad", "py s"), ("happy river castle", "river")])
+def test_stop_strings_with_a_byte_level_tokenizer(byte_level_tokenizer, text, stop):
+    """Characters split over several byte tokens are matched where the decoded response first contains them (the
+    window counts UTF-8 bytes, not characters), and only there."""
+    tok = byte_level_tokenizer
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # the words are split into several tokens
+    matcher = StopStringMatcher(tok, (stop,))
+    finished = torch.zeros(2, dtype=torch.bool)
+    sampled = torch.tensor([ids, tok(" good kind", add_special_tokens=False)["input_ids"][:1] * len(ids)])
+    hits = [matcher.completed(sampled, t, finished).tolist() for t in range(len(ids))]
+    assert [t for t, (hit, _) in enumerate(hits) if hit][:1] == [first_stop(tok, ids, (stop,)) - 1]
+    assert not any(other for _, other in hits)
+
+
+def test_a_stop_string_in_the_prompt_does_not_stop_the_response(byte_level_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = byte_level_tokenizer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64)).eval()
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in ("river castle =>", "castle river =>")]
+    backend = TorchGenerationBackend(model, tok.eos_token_id, torch.device("cpu"), tokenizer=tok)
+    plain = backend.generate(ids, SamplingParams(10, 1.0, 0, 1.0, (), ()), seed=1)
+    cut = backend.generate(ids, SamplingParams(10, 1.0, 0, 1.0, (), ("river", "=>")), seed=1)
+    assert all(first_stop(tok, response(plain, i), ("river", "=>")) is None for i in range(2))
+    assert torch.equal(cut.tokens, plain.tokens) and not cut.ended.any()
