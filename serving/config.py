@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -44,9 +44,11 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        # an optional section (`LoraConfig | None`) is the model inside
+        sections = [a for a in (ann, *get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not sections:
             return []
-        model = ann
+        model = sections[0]
     return sorted(model.model_fields)
 
 

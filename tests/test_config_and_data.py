@@ -37,6 +37,7 @@ def test_yaml_file_and_dotted_overrides(tmp_path):
         ("policy.generation.backend=vllm", ["policy.generation.backend", "'torch'"]),
         ("policy.train_micro_batch_size=5", ["policy.train_global_batch_size", "multiple", "policy.train_micro_batch_size"]),
         ("nonsense", ["KEY=VALUE"]),
+        ("policy.lora.rnk=4", ["policy.lora.rnk", "unknown key", "rank", "target_modules"]),  # an optional section
     ],
 )
 def test_config_errors_name_the_key_and_what_is_allowed(override, words):
