@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.needs_critic:
         servers["critic"] = [sys.executable, "-m", "critic_server", "--port", str(ports["critic"][0]),
                              "--http-port", str(ports["critic"][1]),
-                             "--checkpoint-dir", str(run_dir / "checkpoints" / "critic")]
+                             "--checkpoint-dir", str(run_dir.resolve() / "checkpoints" / "critic")]
     actor_threads = []
     if args.thread_budget == "auto":  # processes that oversubscribe the cores run several times slower
         for cmd in servers.values():
@@ -100,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
             procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env)
         for name, proc in procs.items():
             wait_ready(name, proc, f"http://127.0.0.1:{ports[name][1]}/ready", timeout=300)
-        actor = [sys.executable, "-m", "actor", "--config", args.config, "--http-port", "0",
+        actor = [sys.executable, "-m", "actor", "--config", str(Path(args.config).resolve()), "--http-port", "0",
                  f"critic.address=127.0.0.1:{ports['critic'][0]}", f"reward.address=127.0.0.1:{ports['reward'][0]}",
                  *actor_threads, *args.overrides]
         print(f"starting actor: {' '.join(actor[1:])}", flush=True)
-        code = subprocess.run(actor, check=False, cwd=ROOT, env=env).returncode
+        # in the caller's directory, as `python -m actor` there: relative paths and a `module:Class` environment of
+        # theirs resolve as they would without the demo
+        actor_env = {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])}
+        code = subprocess.run(actor, check=False, cwd=os.getcwd(), env=actor_env).returncode
         if code != 0:
             print(f"actor failed with exit code {code}", file=sys.stderr)
             return code

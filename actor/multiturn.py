@@ -4,7 +4,7 @@ Every sample of a generation batch starts as its prompt. Each turn, the samples 
 (up to policy.generation.max_new_tokens, stopping at EOS, the stop tokens, policy.generation.stop_strings and the
 stop strings the environment asked for); the environment answers all of them at once; its observation is tokenized
 with the policy tokenizer and appended. A sample leaves when the environment terminates it, when another turn would
-not fit the policy's context, or after ppo.max_rollout_turns turns.
+not fit the policy's context (or the critic's, when shorter), or after ppo.max_rollout_turns turns.
 
 The result is an ordinary `Rollout` whose `policy_mask` is 1 only on the actions the policy sampled, so the loss,
 the KL, the critic's targets and every estimator see assistant tokens only, and whose `rewards` are each episode's
@@ -26,7 +26,14 @@ from serving.modeling import right_pad
 from .clients import RewardClient, Scores
 from .config import ActorConfig
 from .data import Prompt
-from .environments import Environment, EnvironmentContext, Message, build_environment
+from .environments import (
+    BadEnvironment,
+    Environment,
+    EnvironmentContext,
+    EnvironmentStep,
+    Message,
+    build_environment,
+)
 from .generation import Rollout, SamplingParams
 from .rollouts import RolloutCollector
 
@@ -149,6 +156,8 @@ class MultiTurnCollector(RolloutCollector):
             self._policy_turn(running, params, seed * 1_000_003 + turn * 7_919)
             with self.timers("environment"):  # part of timers/generate
                 step = self.environment.step([e.messages for e in running], [e.metadata for e in running])
+            if not isinstance(step, EnvironmentStep):
+                raise BadEnvironment(f"{self.where}.step returned a {type(step).__name__}, not an EnvironmentStep")
             step.check(len(running), self.where)
             last_turn = turn + 1 == self.max_turns
             for e, obs, reward, term, stops, meta in zip(running, step.observations, step.rewards.tolist(),

@@ -36,6 +36,7 @@ class Servers:
             log.info("ppo.adv_estimator.name=%s needs no critic values: no critic server is used",
                      cfg.ppo.adv_estimator.name)
         self.reward: RewardClient | OpenRLHFRewardClient | None = None
+        self.max_length = policy_max_length  # the longest sequence the policy and the critic both take
         self.score = self._connect(policy_max_length)
 
     def _connect(self, policy_max_length: int) -> ScoreFn | None:
@@ -51,6 +52,7 @@ class Servers:
         critic_info = self.critic.info() if self.critic is not None else None
         if critic_info is not None:
             check_compatible("critic", critic_info, sha, vocab, needed, why)
+            self.max_length = min(self.max_length, critic_info.max_length)  # it values whole multi-turn episodes
             self.critic_seen = (critic_info.instance_id, critic_info.train_step)
         labelled = all(p.label is not None for p in self.train_prompts)
         if cfg.env.name is not None and not cfg.env.uses_reward_server:

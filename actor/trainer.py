@@ -108,7 +108,7 @@ class PPOTrainer:
         self.critic = self.servers.critic
         # with an environment, each generation batch is a batch of multi-turn episodes (actor/multiturn.py)
         collector = (RolloutCollector if cfg.env.name is None else
-                     multi_turn_collector(cfg, self.tokenizer, self.servers.reward, max_length_of(self.policy)))
+                     multi_turn_collector(cfg, self.tokenizer, self.servers.reward, self.servers.max_length))
         self.episode_metrics = (lambda mask: {}) if cfg.env.name is None else episode_metrics
         self.collector = collector(
             policy=self.policy, reference=self.reference,

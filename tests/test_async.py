@@ -136,6 +136,36 @@ def test_the_end_of_the_data_ends_the_worker_and_never_blocks_a_take():
     assert w.stop(5)
 
 
+def test_the_worker_receives_only_the_trained_parameters_and_loads_them_by_name():
+    """With frozen layers (or LoRA) only what trains is copied to the worker each step; the rest stays as copied."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actor.async_rollouts import AsyncRollouts
+    from actor.generation import SamplingParams
+    from actor.models import freeze_lower_layers
+    from actor.tracking import Timers
+
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))
+    freeze_lower_layers(policy, 1)
+    rollouts = AsyncRollouts(SimpleNamespace(backend=SimpleNamespace(tokenizer=None)), None, SamplingParams(4),
+                             ActorConfig().ppo, policy, 0, torch.device("cpu"), 8, Timers())
+    published = []
+    rollouts.worker = SimpleNamespace(publish=published.append)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)  # a policy update of every tensor; only the trainable ones may reach the worker
+    rollouts.update_weights(policy)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert set(published[0]) == trainable and "model.embed_tokens.weight" not in trainable
+    rollouts._load_weights(published[0])
+    for (name, mine), (_, theirs) in zip(policy.named_parameters(), rollouts.model.named_parameters(), strict=True):
+        assert torch.equal(mine, theirs) == (name in trainable), name
+
+
 # --- configuration --------------------------------------------------------------------------------------------
 
 ASYNC = ["ppo.async_grpo.enabled=true", "ppo.adv_estimator.name=grpo", "ppo.num_generations_per_prompt=4"]

@@ -236,7 +236,7 @@ def test_the_reward_server_as_the_environments_scorer(rule_reward, tok):
         truth = torch.tensor([positive_fraction(m[-1].text) for m in logs])
         assert torch.allclose(a.rewards, truth - torch.tensor([0, 0.5, 0, 0])) and torch.allclose(a.rewards, b.rewards)
         assert a.terminated.tolist() == b.terminated.tolist() == [True, False, True, False]
-        assert a.observations == ["", "really bad =>", "", "really bad =>"]
+        assert a.observations == ["", " really bad =>", "", " really bad =>"]  # a word of its own after the answer
         assert [m["score"] for m in a.metadata] == pytest.approx(truth.tolist())
     finally:
         client.close()
@@ -259,3 +259,40 @@ def test_multiturn_config_raises_the_reward_against_real_servers(rule_reward, cr
     rewards = [r["train_rollouts/rewards"] for r in rows]
     assert sum(rewards[-2:]) / 2 - rewards[0] >= 0.15, rewards
     assert "really bad =>" in run.stdout + run.stderr  # the printed samples show the conversation
+
+
+def test_retry_feedback_stays_a_word_of_its_own_with_a_byte_level_tokenizer():
+    """Byte-level BPE marks a word start with its space: the observation must carry one, or its first word is glued
+    to the answer's last ("awfulreally") in the sequence the policy continues."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from embedded.task import VOCAB
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator([" ".join(VOCAB)] * 4, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    env = build_environment("retry_with_feedback", {}, EnvironmentContext(tok))
+    prompt, answer = tok("river castle =>")["input_ids"], tok(" awful")["input_ids"]
+    step = env.step([[Message("user", "river castle =>", tuple(prompt)),
+                      Message("assistant", " awful", tuple(answer))]], [{"label": None}])
+    observation = tok(step.observations[0], add_special_tokens=False)["input_ids"]
+    assert tok.decode(prompt + answer + observation) == "river castle => awful really bad =>"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("rewards", [1.0, 0.0], "rewards must be a 1-D tensor"),
+    ("rewards", torch.zeros(2, 1), r"rewards must be a 1-D tensor \[N\], got a tensor of shape \[2, 1\]"),
+    ("terminated", [True, False], "terminated must be a 1-D tensor"),
+    ("observations", [None, "so =>"], "every observation must be a str"),
+    ("next_stop_strings", ["</a>", None], "next_stop_strings holds, per sample, None or a list"),
+    ("metadata", None, "metadata must be a list"),
+])
+def test_an_environment_answering_with_wrong_types_is_named(field, value, message):
+    answer = {"observations": ["", "so =>"], "rewards": torch.zeros(2), "terminated": torch.tensor([True, False]),
+              "next_stop_strings": [None, ["</a>"]], "metadata": [{}, {}]}
+    EnvironmentStep(**answer).check(2, "Mine")
+    with pytest.raises(BadEnvironment, match=f"Mine.step: {message}"):
+        EnvironmentStep(**{**answer, field: value}).check(2, "Mine")

@@ -37,7 +37,8 @@ class EnvironmentStep:
     """An environment's answer for N samples, in the order they were given.
 
     observations: the text appended to each sample's sequence before its next turn ("" appends nothing); ignored
-        for terminated samples. Tokenized with the policy tokenizer, no special tokens added.
+        for terminated samples. Tokenized on its own with the policy tokenizer, no special tokens added, and appended
+        as is: start it with a space where the tokenizer marks word starts with one (byte-level BPE).
     rewards: float32 [N], this turn's reward; a sample's reward is the sum over its turns (NeMo-RL's rule).
     terminated: bool [N], the sample's episode is over.
     next_stop_strings: per sample, stop strings for its next turn besides policy.generation's own (None: none).
@@ -51,15 +52,34 @@ class EnvironmentStep:
     metadata: list[dict[str, Any]]
 
     def check(self, n: int, where: str) -> None:
-        """Raise BadEnvironment naming the field when the step does not answer exactly `n` samples."""
+        """Raise BadEnvironment naming the field when the step does not answer exactly `n` samples, or answers
+        with the wrong types (the class docstring's)."""
+        for name in ("rewards", "terminated"):
+            x = getattr(self, name)
+            if not isinstance(x, torch.Tensor) or x.dim() != 1:
+                got = f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise BadEnvironment(f"{where}.step: {name} must be a 1-D tensor [N], got {got}")
+        for name in ("observations", "next_stop_strings", "metadata"):
+            if not isinstance(getattr(self, name), list | tuple):
+                raise BadEnvironment(f"{where}.step: {name} must be a list, got {type(getattr(self, name)).__name__}")
         sizes = {"observations": len(self.observations), "rewards": self.rewards.numel(),
                  "terminated": self.terminated.numel(), "next_stop_strings": len(self.next_stop_strings),
                  "metadata": len(self.metadata)}
         wrong = {k: v for k, v in sizes.items() if v != n}
         if wrong:
             raise BadEnvironment(f"{where}.step was given {n} samples but answered {wrong}")
-        if not bool(torch.isfinite(self.rewards).all()):
+        if not bool(torch.isfinite(self.rewards.float()).all()):
             raise BadEnvironment(f"{where}.step returned non-finite rewards {self.rewards.tolist()}")
+        if any(not isinstance(o, str) for o in self.observations):
+            raise BadEnvironment(f"{where}.step: every observation must be a str ('' appends nothing), got "
+                                 f"{self.observations!r}")
+        # a bare string would be taken apart into one-character stop strings
+        if any(s is not None and (not isinstance(s, list | tuple) or not all(isinstance(x, str) and x for x in s))
+               for s in self.next_stop_strings):
+            raise BadEnvironment(f"{where}.step: next_stop_strings holds, per sample, None or a list of non-empty "
+                                 f"strings, got {self.next_stop_strings!r}")
+        if any(not isinstance(m, dict) for m in self.metadata):
+            raise BadEnvironment(f"{where}.step: metadata holds a dict per sample, got {self.metadata!r}")
 
 
 class BadEnvironment(RuntimeError):
@@ -106,7 +126,10 @@ def environment_class(name: str) -> type:
                          "importable 'package.module:Class'")
     try:
         cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+    except ImportError as e:
+        raise ValueError(f"env.name={name}: cannot import it: {e} (the actor imports it from its working directory "
+                         "and PYTHONPATH)") from None
+    except AttributeError as e:
         raise ValueError(f"env.name={name}: cannot import it: {e}") from None
     if not (isinstance(getattr(cls, "Options", None), type) and issubclass(cls.Options, EnvironmentOptions)
             and callable(getattr(cls, "step", None))):

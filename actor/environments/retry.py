@@ -26,7 +26,7 @@ class RetryOptions(EnvironmentOptions):
         "positive_fraction", description="positive_fraction: the embedded task's rule, computed in the actor; "
         "reward_server: the reward server at reward.address scores prompt + answer texts.")
     threshold: float = Field(0.5, description="An answer scoring at least this ends the episode; below, the policy gets the feedback and answers again.")
-    feedback: str = Field("really bad =>", min_length=1, description="The observation after a low-scoring answer; every word must be in the policy's vocabulary.")
+    feedback: str = Field("really bad =>", min_length=1, description="The observation after a low-scoring answer, appended after a space; every word must be in the policy's vocabulary.")
 
     @property
     def uses_reward_server(self) -> bool:
@@ -38,8 +38,10 @@ class RetryWithFeedback:
 
     def __init__(self, options: RetryOptions, context: EnvironmentContext):
         self.options, self.tokenizer = options, context.tokenizer
+        # a separate word after the answer: byte-level BPE would otherwise glue it to the answer's last word
+        self.observation = options.feedback if options.feedback[0].isspace() else " " + options.feedback
         unk = self.tokenizer.unk_token_id
-        ids = self.tokenizer(options.feedback, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(self.observation, add_special_tokens=False)["input_ids"]
         unknown = [w for w, i in zip(options.feedback.split(), ids, strict=False) if i == unk] if unk is not None else []
         if not ids or unknown:
             raise BadEnvironment(f"env.feedback={options.feedback!r}: the policy's tokenizer does not know "
@@ -54,7 +56,7 @@ class RetryWithFeedback:
         previous = torch.tensor([float(m.get("score", 0.0)) for m in metadata])
         done = scores >= self.options.threshold
         return EnvironmentStep(
-            observations=["" if d else self.options.feedback for d in done.tolist()],
+            observations=["" if d else self.observation for d in done.tolist()],
             rewards=(scores - previous).float(),  # telescoping: an episode's rewards sum to its last score
             terminated=done,
             next_stop_strings=[None] * len(message_logs),
