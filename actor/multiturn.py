@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from serving.modeling import right_pad
 
-from .clients import RewardClient, Scores
+from .clients import RemoteError, RewardClient, Scores
 from .config import ActorConfig
 from .data import Prompt
 from .environments import (
@@ -155,7 +155,12 @@ class MultiTurnCollector(RolloutCollector):
                 break
             self._policy_turn(running, params, seed * 1_000_003 + turn * 7_919)
             with self.timers("environment"):  # part of timers/generate
-                step = self.environment.step([e.messages for e in running], [e.metadata for e in running])
+                try:
+                    step = self.environment.step([e.messages for e in running], [e.metadata for e in running])
+                except RemoteError:
+                    raise  # its scorer's server is away: handled as any server outage
+                except Exception as e:  # the user's code failed: the trainer keeps the last finished step
+                    raise BadEnvironment(f"{self.where}.step raised {type(e).__name__}: {e}") from e
             if not isinstance(step, EnvironmentStep):
                 raise BadEnvironment(f"{self.where}.step returned a {type(step).__name__}, not an EnvironmentStep")
             step.check(len(running), self.where)

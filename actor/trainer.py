@@ -48,6 +48,7 @@ from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
 from .clients import RemoteError
 from .config import ActorConfig
 from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
+from .environments import BadEnvironment
 from .generation import SamplingParams, TorchGenerationBackend
 from .models import load_models
 from .multiturn import episode_metrics, multi_turn_collector
@@ -56,6 +57,11 @@ from .servers import Servers
 from .tracking import MetricsTracker, Timers, step_breakdown
 
 log = logging.getLogger(__name__)
+
+# failures that end a run after its last finished step is checkpointed, as the log names them
+RUN_ENDING_FAILURES = {RemoteError: "a server is unavailable",
+                       RolloutWorkerError: "the generation worker failed", BadEnvironment: "the environment failed"}
+STOPS_THE_RUN = tuple(RUN_ENDING_FAILURES)
 
 
 class PPOTrainer:
@@ -378,12 +384,11 @@ class PPOTrainer:
             start = time.perf_counter()
             try:
                 metrics, last_batch = self.step(step)
-            except (RemoteError, RolloutWorkerError) as e:  # a server stayed away longer than its outage bound, or
-                # the generation worker failed: keep what is done, then stop; never over a checkpoint already
-                # written (it may hold the critic's, which is now out of reach)
+            except STOPS_THE_RUN as e:  # keep what is done, then stop; never over a checkpoint already written (it
+                # may hold the critic's, which is now out of reach)
                 if cfg.checkpointing.enabled and step - 1 > self.start_step and not self._checkpointed(step - 1):
                     path = self.save_checkpoint(step - 1)
-                    why = "a server is unavailable" if isinstance(e, RemoteError) else "the generation worker failed"
+                    why = next(text for cls, text in RUN_ENDING_FAILURES.items() if isinstance(e, cls))
                     self.tracker.write(f"{why}: checkpoint of step {step - 1} at {path}")
                 raise
             if step == self.start_step + 1 and n_print:

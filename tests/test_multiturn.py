@@ -182,6 +182,14 @@ def test_the_context_limit_ends_an_episode_and_bad_environments_are_named(policy
     with pytest.raises(BadEnvironment, match="env.feedback='river zebra =>'.*zebra"):
         build_environment("retry_with_feedback", {"feedback": "river zebra =>"}, EnvironmentContext(tok))
 
+    class Raising(ScriptedEnvironment):
+        def step(self, message_logs, metadata):
+            raise KeyError("score")
+
+    c = collector(policy, tok, Raising(ScriptOptions(), EnvironmentContext(tok)), max_turns=2)
+    with pytest.raises(BadEnvironment, match=re.escape("Raising.step raised KeyError: 'score'")):  # the run keeps its
+        c.generate([prompt], SamplingParams(4), seed=1, generations=2)  # last step (PPOTrainer.fit) and exits 1
+
 
 def test_config_refuses_what_does_not_fit_together():
     def error(*overrides: str) -> str:
