@@ -259,11 +259,13 @@ class AsyncRollouts:
         self.pad_id, self.generation_batch_size, self.timers = pad_id, generation_batch_size, timers
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.backend = TorchGenerationBackend(self.model, pad_id, device, tokenizer=collector.backend.tokenizer)
+        # the worker generates as the trainer's collector does (episodes too, with an environment), with its own
+        # model and its own timers (the trainer's belong to its step)
+        worker_collector = copy.copy(collector)
+        worker_collector.backend, worker_collector.timers = self.backend, Timers()
+        self._generate_rows = worker_collector.generate_rows
         self.worker: GenerationWorker | None = None
         self._metrics: dict[str, float] = {}
-
-    def _generate_rows(self, rows: list[Prompt], params: SamplingParams, seed: int) -> Rollout:
-        return self.backend.generate([p.ids for p in rows], params, seed=seed)
 
     def _generate(self, prompts: list[Prompt], batch: int) -> Rollout:
         """The worker's generation of the groups meant for step `batch`, in the synchronous step's batches and

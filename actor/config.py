@@ -443,9 +443,6 @@ class ActorConfig(StrictModel):
         if self.policy.generation.reuse_logprobs:
             raise ValueError(f"{on} generates with older weights, whose log-probs are not the trained policy's: "
                              "turn policy.generation.reuse_logprobs off")
-        if self.env.name is not None:
-            raise ValueError(f"{on} and env.name={self.env.name} do not combine yet (the worker generates single-turn "
-                             "responses): turn one of them off")
         if self.ppo.use_dynamic_sampling:
             raise ValueError(f"{on} and ppo.use_dynamic_sampling=true do not combine (the worker generates whole "
                              "steps of groups ahead): turn one of them off")
