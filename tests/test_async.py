@@ -21,6 +21,7 @@ from actor.data import Prompt, PromptSampler
 from actor.generation import Rollout
 from serving.config import ConfigError, load_config
 from tests.service_procs import ROOT, ServiceProcess, free_port
+from tests.test_algorithm_runs import metrics
 
 # --- the buffer and the worker, with a generation function of our own ---------------------------------------
 
@@ -215,10 +216,6 @@ def actor_cmd(run_dir, reward, *overrides: str) -> list[str]:
 def run_actor(run_dir, reward, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(actor_cmd(run_dir, reward, *overrides), check=False, cwd=ROOT, capture_output=True,
                           text=True, timeout=240)
-
-
-def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
