@@ -59,7 +59,8 @@ def format_validation_error(model: type[BaseModel], err: ValidationError, source
         if e["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key; allowed keys here: {', '.join(_allowed_keys(model, e['loc']))}")
         elif e["type"] == "value_error":  # a validator's own message names the keys; the input may be a whole section
-            lines.append(f"  {key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key + ': ' if key and not msg.startswith(key) else ''}{msg}")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
