@@ -216,9 +216,17 @@ def reward(embedded_cache, log_dir):
 
 
 def test_an_actor_run_with_frozen_layers_and_an_offloaded_reference(reward, embedded_assets, tmp_path):
+    """Also stop strings as a user sets them: every printed sample that holds one ends with it."""
+    stops = ["sad", "bad", "awful", "hate", "terrible"]
     run = run_actor("grpo", tmp_path / "run", *RUN, "policy.num_layers_unfrozen=1", "policy.reference_offload=true",
-                    f"reward.address={reward.address}", critic_dead())
+                    f"reward.address={reward.address}", critic_dead(), "logger.num_val_samples_to_print=16",
+                    f"policy.generation.stop_strings={json.dumps(stops)}")
     assert run.returncode == 0, run.stderr[-3000:]
+    responses = [line.rsplit(" | ", 1)[1].strip() for line in (run.stdout + run.stderr).splitlines()
+                 if line.startswith("  reward ") and line.count(" | ") == 2]
+    stopped = [r for r in responses if any(w in stops for w in r.split())]
+    assert len(responses) == 32 and stopped, responses
+    assert all(r.split()[-1] in stops for r in stopped), stopped
     assert "the top 1 of 2 blocks (model.layers)" in run.stderr and "reference policy: on the CPU" in run.stderr
     assert all(r["train_rollouts/init_policy_kl"] >= 0 and "train_optim/kl_penalty" in r for r in metrics(tmp_path / "run"))
     step = tmp_path / "run" / "checkpoints" / "step_2"
