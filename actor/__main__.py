@@ -7,6 +7,7 @@ import sys
 
 from serving.codec import retain_freed_memory
 from serving.config import parse_cli
+from serving.modeling import CompileUnavailable
 from serving.security import SecurityError
 
 from .advantages import MissingRewardComponents
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment) as e:
+    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment,
+            CompileUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

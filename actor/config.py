@@ -119,6 +119,7 @@ class PolicyConfig(StrictModel):
     max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
     num_layers_unfrozen: int = Field(-1, ge=-1, description="Train only the top N transformer blocks, the final norm and the LM head (trlx's key); the embeddings and the lower blocks are frozen. -1 trains every layer. A head tied to the input embeddings is frozen with them when N >= 0.")
+    compile: bool = Field(False, description="torch.compile the policy's training pass (forward and backward of every micro-batch) into fused kernels, with dynamic shapes so one graph serves every micro-batch width. The first policy update compiles (tens of seconds on a CPU); on the CPU it needs a C++ compiler (g++ or clang++), checked at start. Losses and gradients equal eager ones up to float reduction order. Generation and the log-prob passes stay eager.")
     reference_offload: bool = Field(False, description="Keep the reference policy on the CPU and move it to the policy's device only for its log-prob passes (saves its device memory; costs two transfers per generation batch).")
     lora: LoraConfig | None = Field(None, description="LoRA adapters (peft) on the policy; null trains the policy's own weights. The reference is then the same model with its adapters disabled (no second copy) unless reference_model_name names another model.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

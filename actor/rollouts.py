@@ -17,7 +17,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algorithms import groups_with_signal, logprobs_from_logits
-from serving.modeling import attention_mask_from_lengths, by_length, pad_and_stack, torch_threads
+from serving.modeling import (
+    ModelPass,
+    attention_mask_from_lengths,
+    by_length,
+    causal_lm_logits,
+    pad_and_stack,
+    torch_threads,
+)
 
 from .clients import CriticClient, OpenRLHFRewardClient, Pending, RewardClient, Scores, label_text
 from .data import Prompt, PromptSampler
@@ -150,7 +157,7 @@ class RolloutCollector:
     def __init__(self, *, policy: PreTrainedModel, reference: Reference | None, backend: GenerationBackend,
                  critic: CriticClient | None, score: ScoreFn | None, pad_id: int, device: torch.device,
                  generation_batch_size: int, logprob_batch_size: int, timers: Timers, reuse_logprobs: bool = False,
-                 shared_threads: int = 0):
+                 shared_threads: int = 0, logits: ModelPass = causal_lm_logits):
         self.policy, self.reference, self.backend = policy, reference, backend
         self.critic, self.score = critic, score  # score None: rewards come with the critic's values (combined)
         self.pad_id, self.device = pad_id, device
@@ -158,13 +165,14 @@ class RolloutCollector:
         self.timers = timers
         self.shared_threads = shared_threads  # torch threads while the servers answer this batch's requests
         self.reuse_logprobs = reuse_logprobs  # the policy's log-probs are generation's (the backend samples the policy)
+        self.logits = logits  # causal_lm_logits, or its compiled form (policy.compile)
         self.next_group = 0  # group ids stay unique across steps (and across a resume)
 
     def logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Log-prob of each next token, float32 [B, S-1] (0 past each row's end), without gradients, in passes of
         at most logprob_batch_size rows of similar length trimmed to their longest row."""
         def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-            logits = model(input_ids=tok, attention_mask=attention_mask_from_lengths(n, tok.shape[1])).logits
+            logits = self.logits(model, tok, n)
             lp = logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:])
             return lp * attention_mask_from_lengths(n - 1, lp.shape[1])
 

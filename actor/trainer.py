@@ -34,7 +34,8 @@ from algorithms import (
 from embedded import resolve_model
 from serving.modeling import (
     TORCH_DTYPES,
-    attention_mask_from_lengths,
+    causal_lm_logits,
+    compiled,
     length_buckets,
     max_length_of,
     resolve_device,
@@ -93,6 +94,8 @@ class PPOTrainer:
         self.models = load_models(pol, self.resume_from, self.device, dtype,
                                   with_reference=not p.skip_reference_policy_logprobs_calculation)
         self.policy, self.reference = self.models.policy, self.models.reference
+        # every pass over whole sequences (training, log-probs) goes through this; generation stays eager
+        self.logits = compiled(causal_lm_logits, pol.compile, "policy.compile", self.device)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
         strings = tuple(gen.stop_strings or ())
@@ -121,7 +124,7 @@ class PPOTrainer:
             backend=TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer),
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
-            reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared)
+            reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits)
         self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
                                        self.device, pol.generation_batch_size, self.timers)
                          if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))
@@ -168,7 +171,7 @@ class PPOTrainer:
 
                     tok, n = tokens[mi, :w].to(self.device), lengths[mi].to(self.device)
                     mk = rows(loss_mask)
-                    logits = self.policy(input_ids=tok, attention_mask=attention_mask_from_lengths(n, w)).logits[:, :-1].float()
+                    logits = self.logits(self.policy, tok, n)[:, :-1].float()
                     lp = logprobs_from_logits(logits, tok[:, 1:])
                     pg_loss, stats = policy_loss(
                         lp, rows(batch.logprobs), rows(advantages), mk, clip_low=lf.ratio_clip_min,

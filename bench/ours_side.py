@@ -88,9 +88,10 @@ class Service:
 
 def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: int, response_length: int,
              epochs: int, steps: int, stop_eos: bool, threads: tuple[int, ...], generation_batch: int,
-             logprob_batch: int, lr: float = 1e-5, seed: int = 42) -> OursRun:
+             logprob_batch: int, lr: float = 1e-5, seed: int = 42, compile_: bool = False) -> OursRun:
     """One run of our actor with its two servers; `threads` = (actor, critic, reward[, actor while the servers
-    compute]) torch threads (the last: the actor's num_threads_shared, default its num_threads)."""
+    compute]) torch threads (the last: the actor's num_threads_shared, default its num_threads). `compile_`: every
+    model pass but generation compiled (policy.compile; the critic and reward servers' compile)."""
     from bench.trl_models import Assets
 
     assets = Assets(models)
@@ -105,10 +106,11 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
                    str(ports["critic"][1]), "--model", str(assets.value), "--checkpoint-dir", str(work / "critic"),
                    "--device", "cpu", "resume=never", f"num_threads={critic_threads}", f"train.lr={lr}",
                    f"train.global_batch_size={batch}", f"train.micro_batch_size={micro_batch}",
-                   f"batching.max_batch_size={max(batch, generation_batch)}"],
+                   f"batching.max_batch_size={max(batch, generation_batch)}", *(["compile=true"] if compile_ else [])],
         "reward": [python, "-m", "reward_server", "--port", str(ports["reward"][0]), "--http-port",
                    str(ports["reward"][1]), "--model", str(assets.reward), "--device", "cpu",
-                   f"num_threads={reward_threads}", f"batching.max_batch_size={max(batch, generation_batch)}"],
+                   f"num_threads={reward_threads}", f"batching.max_batch_size={max(batch, generation_batch)}",
+                   *(["compile=true"] if compile_ else [])],
     }
     overrides = {
         "run_dir": str(work / "run"), "num_threads": actor_threads, "num_threads_shared": shared_threads,
@@ -133,6 +135,7 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
         # TRL takes them from generate's scores); W1/W2 generate every token, EOS or not (TRL's stop_token=None)
         "critic.ppo_epochs": epochs, "policy.generation.reuse_logprobs": "true",
         "policy.generation.ignore_eos": "false" if stop_eos else "true",
+        **({"policy.compile": "true"} if compile_ else {}),
     }
     optional = ("critic.ppo_epochs", "policy.generation.reuse_logprobs", "policy.generation.ignore_eos")
     skipped = [k for k in optional if k not in keys]

@@ -232,7 +232,8 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
                 run = run_ours(python=args.ours_python or sys.executable, models=models, work=work / "ours",
                                batch=args.batch, micro_batch=args.micro_batch, response_length=length,
                                epochs=w.epochs, steps=args.steps, stop_eos=w.stop_eos, threads=threads,
-                               generation_batch=args.generation_batch, logprob_batch=args.logprob_batch)
+                               generation_batch=args.generation_batch, logprob_batch=args.logprob_batch,
+                               compile_=args.compile)
                 res["ours"], res["ours_skipped_keys"] = run.steps, run.skipped_keys
             res[f"{side}_wall"] = time.monotonic() - started
             others = watch.others_share()
@@ -286,7 +287,8 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
     ours_phases = {k: median([s.get(k, 0.0) for s in ours_steps]) for k in keys}
     ours_phases["critic train (server, overlaps train_time)"] = median([s["critic_train_seconds"] for s in ours_steps])
     print(f"  ours, median seconds per step by timer (actor {threads[0]} ({threads[-1]} while a server computes), "
-          f"critic {threads[1]}, reward {threads[2]} threads; rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
+          f"critic {threads[1]}, reward {threads[2]} threads; training passes "
+          f"{'compiled' if args.compile else 'eager'} (all but generation); rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
           f"    {fmt_phases(ours_phases)}")
     print(f"  optimizer steps per PPO step: policy {w.epochs} (one per epoch over the batch), critic "
           f"{median([s['critic_optimizer_steps'] for s in ours_steps]):.0f} (as the critic server reports them)")
@@ -316,7 +318,8 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
           f"= {ours_flops / ours_train / 1e9:.0f} GFLOP/s = {ours_eff:.0%} of peak")
     out = {"disturbed": any(r.get("ours_disturbed") or r.get("trl_disturbed") for r in rounds), "workload": w.name, "response_length": length, "epochs": w.epochs, "rounds": rounds, "peak_flops": peak,
            "peaks": peaks, "median_ratio": med_ratio, "target": w.target, "ours_phases": ours_phases,
-           "ours_efficiency": ours_eff, "threads": threads}
+           "ours_efficiency": ours_eff, "threads": threads,
+           "compile": args.compile}
     if have_trl:
         trl_len = median([r["trl_mean_length"] for r in rounds])
         trl_tokens = args.batch * (PROMPT_TOKENS + length)  # TRL trains on the whole padded width every time
@@ -361,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-trl", action="store_true", help="run our side only (no ratios)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS", help="before each run, wait "
                         "up to this long for other processes to leave the cores alone (shared machines)")
+    parser.add_argument("--compile", action="store_true", help="ours: torch.compile every model pass but generation "
+                        "(policy.compile; the critic and reward servers' compile); the first step, which compiles, is "
+                        "dropped like every warm-up step. TRL's side runs as it ships (eager)")
     parser.add_argument("--json", default=None, help="also write every measurement to this file")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (1 if args.tiny else 2)

@@ -23,6 +23,7 @@ from embedded import resolve_model
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.modeling import (
     TORCH_DTYPES,
+    compiled,
     last_token_scores,
     length_buckets,
     load_scalar_head_model,
@@ -107,6 +108,7 @@ class CriticCore:
             log.info("resumed critic optimizer state at train step %d from %s (%d Train request ids remembered)",
                      self.train_step, path, len(self.window))
         self.model.eval()
+        self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)
@@ -162,9 +164,9 @@ class CriticCore:
         for idx in length_buckets(lengths, self.cfg.batching.max_batch_size):
             w = int(lengths[idx].max())
             tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
-            all_values[idx, :w] = per_token_scores(self.model, tok, n).cpu()
+            all_values[idx, :w] = self.scores(self.model, tok, n).cpu()
             if all_rewards is not None:
-                all_rewards[idx] = last_token_scores(per_token_scores(self.reward_model, tok, n), n).cpu()
+                all_rewards[idx] = last_token_scores(self.scores(self.reward_model, tok, n), n).cpu()
         out, row = [], 0
         for t, _ in requests:
             b, s = t.shape
@@ -273,7 +275,7 @@ class CriticCore:
                         ms = group[bucket]
                         w = int(lengths[ms].max())
                         tok, n = tokens[ms, :w].to(self.device), lengths[ms].to(self.device)
-                        values = per_token_scores(self.model, tok, n)[:, :-1]
+                        values = self.scores(self.model, tok, n)[:, :-1]
 
                         def rows_of(x: torch.Tensor, ms: torch.Tensor = ms, w: int = w) -> torch.Tensor:
                             return x[ms, :w - 1].to(self.device)

@@ -16,6 +16,7 @@ from serving.errors import InvalidArgument
 from serving.modeling import (
     TORCH_DTYPES,
     by_length,
+    compiled,
     last_token_scores,
     load_scalar_head_model,
     load_tokenizer,
@@ -61,6 +62,7 @@ class RewardCore:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.model = None
+        self.scores = per_token_scores
         # Rule scorers whose results are returned as components: the scorer itself, then the extra ones.
         self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
 
@@ -77,6 +79,7 @@ class RewardCore:
             path = resolve_model(cfg.model)
             self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype]).to(self.device).eval()
             self.model.requires_grad_(False)
+            self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path)
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
@@ -217,7 +220,7 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        rewards = by_length(lambda tok, n: last_token_scores(per_token_scores(self.model, tok, n), n), tokens, lengths,
+        rewards = by_length(lambda tok, n: last_token_scores(self.scores(self.model, tok, n), n), tokens, lengths,
                             self.cfg.batching.max_batch_size, self.device)
         return list(rewards.split([r.rows for r in requests]))
 

@@ -111,6 +111,38 @@ def by_length(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: 
     return out
 
 
+def causal_lm_logits(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A causal LM's logits [B, S, V] over right-padded rows: tokens int64 [B, S], lengths int64 [B]."""
+    return model(input_ids=tokens, attention_mask=attention_mask_from_lengths(lengths, tokens.shape[1])).logits
+
+
+class CompileUnavailable(RuntimeError):
+    """torch.compile was asked for where it cannot run; the message names the key that asked."""
+
+
+ModelPass = Callable[[PreTrainedModel, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> ModelPass:
+    """`fn(model, tokens, lengths)` compiled by torch.compile when `enabled` (else `fn` itself), with dynamic shapes:
+    one graph per model and grad mode serves every bucket width and row count (a bucket of one row compiles once
+    more). Each first call compiles (tens of seconds on a CPU); the passes then run inductor's fused kernels, with
+    float results equal to eager up to reduction order. On the CPU inductor builds C++ kernels, so a machine
+    without a C++ compiler is refused here, naming `key`, rather than at the first pass."""
+    if not enabled:
+        return fn
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except RuntimeError as e:  # inductor's InvalidCxxCompiler
+            raise CompileUnavailable(f"{key}=true: torch.compile on the CPU builds C++ kernels, and no C++ compiler was "
+                                     f"found ({type(e).__name__}; install g++ or clang++, or set $CXX), or set "
+                                     f"{key}=false") from None
+    return torch.compile(fn, dynamic=True)
+
+
 def per_token_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Head output at every position: float32 [B, S]; entry t scores the prefix tokens[:, :t+1].
     Padding positions are zeroed. tokens int64 [B, S] right-padded, lengths int64 [B]."""
