@@ -2,8 +2,10 @@
 on the critic and reward servers give the same run as eager ones, and a machine that cannot compile is refused at
 start with the key named.
 
-Compiling costs tens of seconds per process on a CPU, so one run covers every compiled pass: the actor's training
-(forward and backward) and log-prob passes, the critic's Infer and Train, the reward server's Score.
+Compiling costs tens of seconds per process on a CPU, so one run covers the compiled passes of each kind: the
+actor's training (forward and backward) and its reference log-prob pass, the critic's Infer and Train. The reward
+server's Score is the critic's Infer function (`per_token_scores`, compiled by the same helper); its `compile` key
+is tested by the refusal test, which reaches the same check at load.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ COMPARED = ("train_rollouts/rewards", "train_rollouts/values_mean", "train_rollo
 
 
 def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
-    flag = [f"compile={str(compile_).lower()}"]
-    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / f"{name}-critic"), "resume=never", *flag,
-                        log_dir=log_dir) as critic, ServiceProcess("reward", *flag, log_dir=log_dir) as reward:
+    flag = f"compile={str(compile_).lower()}"
+    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / f"{name}-critic"), "resume=never", flag,
+                        log_dir=log_dir) as critic, ServiceProcess("reward", log_dir=log_dir) as reward:
+        # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
         run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
+                        "policy.generation.reuse_logprobs=true",
                         f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
                         f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
@@ -48,8 +52,8 @@ def test_compiled_services_train_as_eager_ones(embedded_cache, log_dir, tmp_path
 
 
 def test_no_cxx_compiler_is_refused_at_start(embedded_cache, log_dir, tmp_path):
-    """On the CPU inductor builds C++ kernels: without a compiler both the actor and a server stop at start, naming
-    the key, instead of failing at the first pass."""
+    """On the CPU inductor builds C++ kernels: without a compiler the actor and a server stop at start, naming the
+    key, instead of failing at the first pass."""
     env = {"CXX": str(tmp_path / "no-such-compiler")}
     run_dir = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port",
@@ -57,8 +61,7 @@ def test_no_cxx_compiler_is_refused_at_start(embedded_cache, log_dir, tmp_path):
                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 1, run.stderr[-2000:]
     assert "policy.compile=true" in run.stderr and "C++ compiler" in run.stderr, run.stderr[-2000:]
-    critic = ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ckpt"), "compile=true", "device=cpu",
-                            log_dir=log_dir, env=env)
+    reward = ServiceProcess("reward", "compile=true", "device=cpu", log_dir=log_dir, env=env)
     with pytest.raises(RuntimeError, match=r"exited with 1"):
-        critic.start()
-    assert "compile=true" in critic.log() and "C++ compiler" in critic.log(), critic.log()[-2000:]
+        reward.start()
+    assert "compile=true" in reward.log() and "C++ compiler" in reward.log(), reward.log()[-2000:]
