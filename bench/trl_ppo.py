@@ -287,8 +287,8 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
     ours_phases = {k: median([s.get(k, 0.0) for s in ours_steps]) for k in keys}
     ours_phases["critic train (server, overlaps train_time)"] = median([s["critic_train_seconds"] for s in ours_steps])
     print(f"  ours, median seconds per step by timer (actor {threads[0]} ({threads[-1]} while a server computes), "
-          f"critic {threads[1]}, reward {threads[2]} threads; training passes "
-          f"{'compiled' if args.compile else 'eager'} (all but generation); rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
+          f"critic {threads[1]}, reward {threads[2]} threads; model passes but "
+          f"generation {'compiled' if args.compile else 'eager'}; rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
           f"    {fmt_phases(ours_phases)}")
     print(f"  optimizer steps per PPO step: policy {w.epochs} (one per epoch over the batch), critic "
           f"{median([s['critic_optimizer_steps'] for s in ours_steps]):.0f} (as the critic server reports them)")

@@ -62,7 +62,6 @@ class RewardCore:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.model = None
-        self.scores = per_token_scores
         # Rule scorers whose results are returned as components: the scorer itself, then the extra ones.
         self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
 
