@@ -34,6 +34,7 @@ from serving.modeling import (
     per_token_scores,
     resolve_device,
     vocab_sha256,
+    warm_up,
 )
 from serving.validation import check_lengths, check_per_action, check_tokens
 
@@ -117,6 +118,10 @@ class CriticCore:
             if vocab_sha256(load_tokenizer(rm_path)) != self.vocab_sha256:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")
             self.max_length = min(self.max_length, max_length_of(self.reward_model))
+        if cfg.compile:  # compiled now, before ready, not at the first Infer and Train
+            seconds = warm_up(self.scores, [self.model, *([self.reward_model] if self.reward_model else [])],
+                              self.device, train=self.model)
+            log.info("compile=true: Infer and Train passes compiled in %.1f s", seconds)
         log.info("critic %s loaded on %s (vocab %d, max length %d, combined RM: %s)",
                  cfg.model, self.device, self.vocab_size, self.max_length, cfg.reward_model)
 

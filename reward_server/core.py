@@ -27,6 +27,7 @@ from serving.modeling import (
     resolve_device,
     right_pad,
     vocab_sha256,
+    warm_up,
 )
 from serving.validation import check_int_vector, check_lengths, check_tokens
 
@@ -82,6 +83,8 @@ class RewardCore:
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path)
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
+            if cfg.compile:  # compiled now, before ready, not at the first Score
+                log.info("compile=true: Score pass compiled in %.1f s", warm_up(self.scores, [self.model], self.device))
         else:
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER))
             self.vocab_size = len(self.tokenizer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -140,7 +141,36 @@ def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> Mo
             raise CompileUnavailable(f"{key}=true: torch.compile on the CPU builds C++ kernels, and no C++ compiler was "
                                      f"found ({type(e).__name__}; install g++ or clang++, or set $CXX), or set "
                                      f"{key}=false") from None
-    return torch.compile(fn, dynamic=True)
+    graph = torch.compile(fn, dynamic=True)
+
+    def pass_(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        # Fresh contiguous inputs (a few bytes a row): the graph guards on its inputs' strides and on whether they
+        # are views, so a caller's trimmed slice and the warm-up's batch must look alike to share one graph.
+        return graph(model, tokens.clone(memory_format=torch.contiguous_format),
+                     lengths.clone(memory_format=torch.contiguous_format))
+
+    return pass_
+
+
+def warm_up(pass_: ModelPass, models: list[PreTrainedModel], device: torch.device, *,
+            train: PreTrainedModel | None = None) -> float:
+    """Run `pass_` once over a 2-row dummy batch (one row padded) so a compiled pass compiles now, at load, instead
+    of at its first request: without gradients for each of `models` (as Infer and Score run), and forward and
+    backward in grad mode for `train` (as the critic's Train runs). The gradients are dropped: weights and optimizer
+    state are untouched. Returns the seconds it took."""
+    started = time.perf_counter()
+    width = min(8, *(max_length_of(m) for m in [*models, *([train] if train is not None else [])]))
+    tokens = (torch.arange(2 * width) % 2).view(2, width).to(device)  # ids 0 and 1 exist in every vocabulary
+    lengths = torch.tensor([width, max(width - 2, 1)], device=device)
+    with torch.inference_mode():
+        for model in models:
+            pass_(model, tokens, lengths)
+    if train is not None and any(p.requires_grad for p in train.parameters()):
+        with torch.enable_grad():
+            pass_(train, tokens, lengths).sum().backward()
+        for p in train.parameters():
+            p.grad = None
+    return time.perf_counter() - started
 
 
 def per_token_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

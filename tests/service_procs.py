@@ -62,10 +62,13 @@ class ServiceProcess:
     def http(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.http_port}"
 
-    def start(self, ready_timeout: float = 180.0) -> ServiceProcess:
+    def start(self, ready_timeout: float = 180.0, wait: bool = True) -> ServiceProcess:
+        """Start the process and wait for /ready; `wait=False` returns at once (a client waits for it instead)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - held open for the process lifetime
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        if not wait:
+            return self
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -29,14 +29,24 @@ COMPARED = ("train_rollouts/rewards", "train_rollouts/values_mean", "train_rollo
 
 def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
     flag = f"compile={str(compile_).lower()}"
-    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / f"{name}-critic"), "resume=never", flag,
-                        log_dir=log_dir) as critic, ServiceProcess("reward", log_dir=log_dir) as reward:
-        # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
-        run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
-                        "policy.generation.reuse_logprobs=true",
-                        f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
-                        f"reward.address={reward.address}", timeout=600)
+    # not waited for: the compiled critic compiles at load while the actor starts, and the actor waits for it
+    critic = ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / f"{name}-critic"), "resume=never", flag,
+                            log_dir=log_dir, env={"TORCH_LOGS": "recompiles"}).start(wait=False)
+    try:
+        with ServiceProcess("reward", log_dir=log_dir) as reward:
+            # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
+            run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
+                            "policy.generation.reuse_logprobs=true",
+                            f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
+                            f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
+        if compile_:  # compiled at load, before ready: the run's Infer and Train calls compiled nothing more
+            log = critic.log()
+            ready = log.index("critic ready")
+            assert "Infer and Train passes compiled in" in log[:ready], log[-3000:]
+            assert "Recompiling" not in log[ready:], log[ready:][-3000:]
+    finally:
+        critic.stop()
     return metrics(tmp_path / name)
 
 
