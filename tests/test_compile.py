@@ -3,9 +3,8 @@ on the critic and reward servers give the same run as eager ones, and a machine 
 start with the key named.
 
 Compiling costs tens of seconds per process on a CPU, so one run covers the compiled passes of each kind: the
-actor's training (forward and backward) and its reference log-prob pass, the critic's Infer and Train. The reward
-server's Score is the critic's Infer function (`per_token_scores`, compiled by the same helper); its `compile` key
-is tested by the refusal test, which reaches the same check at load.
+actor's training (forward and backward) and its reference log-prob pass, the critic's Infer and Train, the reward
+server's Score. The servers compile at load, before ready; the run asserts they compile nothing after.
 """
 
 from __future__ import annotations
@@ -29,24 +28,27 @@ COMPARED = ("train_rollouts/rewards", "train_rollouts/values_mean", "train_rollo
 
 def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
     flag = f"compile={str(compile_).lower()}"
-    # not waited for: the compiled critic compiles at load while the actor starts, and the actor waits for it
-    critic = ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / f"{name}-critic"), "resume=never", flag,
-                            log_dir=log_dir, env={"TORCH_LOGS": "recompiles"}).start(wait=False)
+    # not waited for: compiled servers compile at load while the actor starts, and the actor waits for them
+    servers = [ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / f"{name}-critic"), "resume=never", flag,
+                              log_dir=log_dir, env={"TORCH_LOGS": "recompiles"}),
+               ServiceProcess("reward", flag, log_dir=log_dir, env={"TORCH_LOGS": "recompiles"})]
     try:
-        with ServiceProcess("reward", log_dir=log_dir) as reward:
-            # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
-            run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
-                            "policy.generation.reuse_logprobs=true",
-                            f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
-                            f"reward.address={reward.address}", timeout=600)
+        critic, reward = (s.start(wait=False) for s in servers)
+        # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
+        run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
+                        "policy.generation.reuse_logprobs=true",
+                        f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
+                        f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
-        if compile_:  # compiled at load, before ready: the run's Infer and Train calls compiled nothing more
-            log = critic.log()
-            ready = log.index("critic ready")
-            assert "Infer and Train passes compiled in" in log[:ready], log[-3000:]
+        # compiled at load, before ready: the run's Infer, Train and Score calls compiled nothing more
+        for server, passes in ((critic, "Infer and Train passes"), (reward, "Score pass")) if compile_ else ():
+            log = server.log()
+            ready = log.index(f"{server.name} ready")
+            assert f"{passes} compiled in" in log[:ready], log[-3000:]
             assert "Recompiling" not in log[ready:], log[ready:][-3000:]
     finally:
-        critic.stop()
+        for s in servers:
+            s.stop()
     return metrics(tmp_path / name)
 
 
