@@ -33,4 +33,25 @@ def test_demo_learns_and_cleans_up(embedded_cache, tmp_path):
     assert (run_dir / "checkpoints" / "critic" / f"{run_id}-step_{len(rows)}" / "model.safetensors").is_file()
     assert "samples before training" in out and "samples after training" in out
     assert "critic server stopped (exit code 0)" in out and "reward server stopped (exit code 0)" in out
+    assert "needs no critic" not in out  # PPO's critic server was started, and said so
+    assert "starting critic server" in out
     assert elapsed < 300, f"the demo took {elapsed:.0f} s; the budget is 5 minutes on 2 CPU cores"
+
+
+def test_the_demo_starts_a_critic_only_where_the_algorithm_needs_one(capsys):
+    """Both thread budgets: PPO (GAE) gets a critic server and says nothing about it; GRPO gets none and says so."""
+    from actor.config import ActorConfig
+    from actor.demo import plan
+    from serving.config import load_config
+
+    ports = {"critic": (1, 2), "reward": (3, 4)}
+    for budget in ("auto", "none"):
+        ppo = load_config(ActorConfig, str(ROOT / "configs" / "ppo.yaml"), [])
+        servers, threads = plan(ppo, ports, budget, cores=4)
+        assert sorted(servers) == ["critic", "reward"] and "needs no critic" not in capsys.readouterr().out
+        assert threads == (["num_threads=2"] if budget == "auto" else [])
+        grpo = load_config(ActorConfig, str(ROOT / "configs" / "grpo.yaml"), [])
+        servers, threads = plan(grpo, ports, budget, cores=4)
+        assert sorted(servers) == ["reward"] and "needs no critic: no critic server started" in capsys.readouterr().out
+        assert threads == (["num_threads=3"] if budget == "auto" else [])
+        assert all(("num_threads=1" in cmd) == (budget == "auto") for cmd in servers.values())
