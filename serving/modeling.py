@@ -126,9 +126,10 @@ ModelPass = Callable[[PreTrainedModel, torch.Tensor, torch.Tensor], torch.Tensor
 
 def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> ModelPass:
     """`fn(model, tokens, lengths)` compiled by torch.compile when `enabled` (else `fn` itself), with dynamic shapes:
-    one graph per model and grad mode serves every bucket width and row count (a bucket of one row compiles once
-    more). Each first call compiles (tens of seconds on a CPU); the passes then run inductor's fused kernels, with
-    float results equal to eager up to reduction order. On the CPU inductor builds C++ kernels, so a machine
+    one graph per model and grad mode serves every bucket width and row count, one row and one token included
+    (`fn` returns per-position outputs, [B, S, ...]). Each first call compiles (tens of seconds on a CPU; see
+    `warm_up`); the passes then run inductor's fused kernels, with float results equal to eager up to reduction
+    order. On the CPU inductor builds C++ kernels, so a machine
     without a C++ compiler is refused here, naming `key`, rather than at the first pass."""
     if not enabled:
         return fn
@@ -144,10 +145,18 @@ def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> Mo
     graph = torch.compile(fn, dynamic=True)
 
     def pass_(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        # Fresh contiguous inputs (a few bytes a row): the graph guards on its inputs' strides and on whether they
-        # are views, so a caller's trimmed slice and the warm-up's batch must look alike to share one graph.
-        return graph(model, tokens.clone(memory_format=torch.contiguous_format),
-                     lengths.clone(memory_format=torch.contiguous_format))
+        rows, width = tokens.shape
+        # Dynamo compiles a dimension of size 1 apart: a lone row runs as two copies of itself and a one-token batch
+        # gets a padding column (masked, and after the real one, so causal attention never sees it); the extra
+        # outputs are dropped. Fresh contiguous inputs (a few bytes a row): the graph guards on its inputs' strides
+        # and on whether they are views, so a caller's trimmed slice and the warm-up's batch share one graph.
+        if rows == 1:
+            tokens, lengths = tokens.expand(2, -1), lengths.expand(2)
+        if width == 1:
+            tokens = torch.cat([tokens, tokens], dim=1)
+        out = graph(model, tokens.clone(memory_format=torch.contiguous_format),
+                    lengths.clone(memory_format=torch.contiguous_format))
+        return out[:rows, :width]
 
     return pass_
 

@@ -82,9 +82,9 @@ class ServerConfig(SecurityConfig):
                              "share a machine's cores); 0: torch's default, one per core.")
     compile: bool = Field(False, description="torch.compile the model's passes (Infer, Score, and the critic's Train "
                           "forward and backward) into fused kernels, with dynamic shapes so one graph serves every batch "
-                          "width. They compile at load, on a 2-row batch, before the server reports ready (tens of "
-                          "seconds on a CPU); a pass over a single row, or a Train micro-batch of over 4096 tokens on "
-                          "a CPU, compiles once more when it first comes. On the CPU it needs a C++ compiler (g++ or "
+                          "width. They compile at load, on a 2-row dummy batch, before the server reports ready (tens of "
+                          "seconds on a CPU); on a CPU a Train micro-batch of over 4096 tokens compiles once more when "
+                          "it first comes. On the CPU it needs a C++ compiler (g++ or "
                           "clang++), checked at start. Results equal eager ones up to float reduction order.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
 

@@ -14,7 +14,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from actor.clients import CriticClient
+from actor.config import RemoteConfig
 from tests.service_procs import ROOT, ServiceProcess
 from tests.test_algorithm_runs import SMALL, metrics, run_actor
 
@@ -40,6 +43,12 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
                         f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
                         f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
+        if compile_:  # a lone row and a one-token row, which dynamo would compile apart, run on the same graph
+            client = CriticClient(RemoteConfig(address=critic.address))
+            for width in (1, 5):
+                values, _ = client.infer(torch.arange(width)[None, :], torch.tensor([width])).result()
+                assert values.shape == (1, width)
+            client.close()
         # compiled at load, before ready: the run's Infer, Train and Score calls compiled nothing more
         for server, passes in ((critic, "Infer and Train passes"), (reward, "Score pass")) if compile_ else ():
             log = server.log()
