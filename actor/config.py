@@ -75,6 +75,7 @@ class GenerationConfig(StrictModel):
     val_top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus mass.")
     val_top_k: int | None = Field(None, ge=1, description="Validation top-k; null disables.")
     ignore_eos: bool = Field(False, description="Generate max_new_tokens for every sample, EOS or not (benchmarks); stop_token_ids still stop.")
+    compile: bool = Field(False, description="torch.compile the decode step (one token per row on the pre-allocated KV cache) into fused kernels, with dynamic shapes so one graph serves every batch size and cache length; prefill, a lone row and models on the DynamicCache fallback stay eager. The first generation compiles (tens of seconds on a CPU); on the CPU it needs a C++ compiler, checked at start. Log-probs equal eager ones up to float reduction order, so a sample can differ where two tokens' probabilities are within rounding.")
     reuse_logprobs: bool = Field(False, description="Take the rollout policy's log-probs from generation instead of a separate forward pass; the torch backend samples from the policy itself, so they differ only by float rounding (docs/PERFORMANCE.md gives the measured error).")
 
 
@@ -119,7 +120,7 @@ class PolicyConfig(StrictModel):
     max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
     num_layers_unfrozen: int = Field(-1, ge=-1, description="Train only the top N transformer blocks, the final norm and the LM head (trlx's key); the embeddings and the lower blocks are frozen. -1 trains every layer. A head tied to the input embeddings is frozen with them when N >= 0.")
-    compile: bool = Field(False, description="torch.compile every pass over whole sequences: the policy's training forward and backward and the policy's and reference's log-prob passes, into fused kernels with dynamic shapes, so one graph per model serves every micro-batch width. The first pass of each kind compiles (tens of seconds on a CPU); on the CPU it needs a C++ compiler (g++ or clang++), checked at start. Losses and gradients equal eager ones up to float reduction order. Generation stays eager.")
+    compile: bool = Field(False, description="torch.compile every pass over whole sequences: the policy's training forward and backward and the policy's and reference's log-prob passes, into fused kernels with dynamic shapes, so one graph per model serves every micro-batch width. The first pass of each kind compiles (tens of seconds on a CPU); on the CPU it needs a C++ compiler (g++ or clang++), checked at start. Losses and gradients equal eager ones up to float reduction order. Generation's decode step has its own key, policy.generation.compile.")
     reference_offload: bool = Field(False, description="Keep the reference policy on the CPU and move it to the policy's device only for its log-prob passes (saves its device memory; costs two transfers per generation batch).")
     lora: LoraConfig | None = Field(None, description="LoRA adapters (peft) on the policy; null trains the policy's own weights. The reference is then the same model with its adapters disabled (no second copy) unless reference_model_name names another model.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from serving.modeling import pad_and_stack, right_pad
+from serving.modeling import pad_and_stack, require_compiler, right_pad
 
 from .stop_strings import StopStringMatcher
 
@@ -107,8 +107,8 @@ class PreallocatedLayer(DynamicLayer):
 
     `update` writes the new states in place and returns views of the filled prefix, so attention reads exactly the
     tokens seen so far (as with `DynamicLayer`, same mask sizes) without re-copying the whole cache every step the way
-    `DynamicLayer`'s `torch.cat` does. `batch_select_indices` keeps a subset of rows by moving them to the front of the
-    same buffers (only the filled prefix is copied)."""
+    `DynamicLayer`'s `torch.cat` does. `batch_select_indices` keeps a subset of rows in new buffers of that many rows
+    (only the filled prefix is copied)."""
 
     def __init__(self, max_cache_len: int, **kwargs):
         super().__init__()
@@ -136,8 +136,11 @@ class PreallocatedLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self.max_cache_len:
             raise ValueError(f"PreallocatedLayer holds {self.max_cache_len} tokens; {end} asked")
-        self._keys[:, :, self.length:end].copy_(key_states)
-        self._values[:, :, self.length:end].copy_(value_states)
+        # index_copy_ into the whole buffer rather than copy_ into a slice view: the same in eager, and a compiled
+        # decode step writes it in place (a view of its input it would write back whole)
+        where = torch.arange(self.length, end, device=self._keys.device)
+        self._keys.index_copy_(2, where, key_states)
+        self._values.index_copy_(2, where, value_states)
         self.length = end
         self._set_views()
         return self.keys, self.values
@@ -171,7 +174,9 @@ class PreallocatedLayer(DynamicLayer):
         if n > self._keys.shape[0]:
             raise ValueError("PreallocatedLayer cannot grow its batch")
         kept_k, kept_v = self.keys.index_select(0, indices), self.values.index_select(0, indices)
-        self._keys, self._values = self._keys[:n], self._values[:n]
+        # fresh buffers, not views of the old ones' first rows: a compiled decode step takes them as whole inputs
+        self._keys = self._keys.new_empty((n, *self._keys.shape[1:]))
+        self._values = self._values.new_empty((n, *self._values.shape[1:]))
         self._keys[:, :, : self.length].copy_(kept_k)
         self._values[:, :, : self.length].copy_(kept_v)
         self._set_views()
@@ -234,6 +239,7 @@ class GenerationStats:
 
     cache: str = ""
     decode_steps: int = 0
+    compiled_steps: int = 0  # decode forwards run by the compiled step
     compactions: int = 0
     row_steps: int = 0
 
@@ -259,7 +265,8 @@ class TorchGenerationBackend:
     """
 
     def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device, *, kv_cache: str = "auto",
-                 compact_below: float = 0.75, tokenizer: PreTrainedTokenizerBase | None = None):
+                 compact_below: float = 0.75, tokenizer: PreTrainedTokenizerBase | None = None,
+                 compile_decode: bool = False):
         if kv_cache not in ("auto", "dynamic"):
             raise ValueError(f"kv_cache must be 'auto' or 'dynamic', got {kv_cache!r}")
         if not 0.0 <= compact_below <= 1.0:
@@ -270,6 +277,12 @@ class TorchGenerationBackend:
         self.kv_cache = kv_cache
         self.compact_below = compact_below
         self.tokenizer = tokenizer  # decodes the newest tokens when stop strings are set
+        # the decode step through torch.compile on the pre-allocated cache, for batches of 2 rows or more (dynamo
+        # compiles a dimension of size 1 apart: a lone row runs eager); prefill and DynamicCache stay eager
+        self.compiled_step = None
+        if compile_decode:
+            require_compiler("policy.generation.compile", device)
+            self.compiled_step = torch.compile(decode_step, dynamic=True)
         self.last_stats = GenerationStats()
         self._no_preallocated: set[type] = set()  # model classes that failed on the pre-allocated cache
 
@@ -407,8 +420,11 @@ class TorchGenerationBackend:
                     rows, hist, hist_lp, mask, pos, nxt = (x[keep] for x in (rows, hist, hist_lp, mask, pos, nxt))
                     finished, string_end = finished[keep], string_end[keep]
                     stats.compactions += 1
-            logits = model(input_ids=nxt[:, None], attention_mask=mask[:, : p_max + t + 1], position_ids=pos,
-                           past_key_values=cache, use_cache=True, **keep_last).logits[:, -1, :]
+            step = decode_step
+            if self.compiled_step is not None and isinstance(cache, PreallocatedCache) and nxt.shape[0] > 1:
+                step = self.compiled_step
+                stats.compiled_steps += 1
+            logits = step(model, nxt[:, None], mask[:, : p_max + t + 1], pos, cache, bool(keep_last))
             pos = pos + 1
             stats.decode_steps += 1
             stats.row_steps += nxt.shape[0]
@@ -417,6 +433,15 @@ class TorchGenerationBackend:
         ends.index_copy_(0, rows, string_end)
         self.last_stats = stats
         return out.cpu(), out_lp.cpu(), ends.cpu()
+
+
+def decode_step(model: PreTrainedModel, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                cache: Cache, keep_last: bool) -> torch.Tensor:
+    """One decode forward: the next token's logits [B, V] for tokens [B, 1] at `positions` [B, 1], attending to the
+    cache under `mask` [B, cache length + 1]."""
+    kwargs = {"logits_to_keep": 1} if keep_last else {}
+    return model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                 **kwargs).logits[:, -1, :]
 
 
 # Cache layers whose `batch_select_indices` keeps all their per-row state (linear-attention layers, for one, do not).

@@ -94,7 +94,8 @@ class PPOTrainer:
         self.models = load_models(pol, self.resume_from, self.device, dtype,
                                   with_reference=not p.skip_reference_policy_logprobs_calculation)
         self.policy, self.reference = self.models.policy, self.models.reference
-        # every pass over whole sequences (training, log-probs) goes through this; generation stays eager
+        # every pass over whole sequences (training, log-probs) goes through this; generation's decode step has its
+        # own switch (policy.generation.compile)
         self.logits = compiled(causal_lm_logits, pol.compile, "policy.compile", self.device)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
@@ -121,7 +122,8 @@ class PPOTrainer:
         self.episode_metrics = (lambda mask: {}) if cfg.env.name is None else episode_metrics
         self.collector = collector(
             policy=self.policy, reference=self.reference,
-            backend=TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer),
+            backend=TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
+                                           compile_decode=gen.compile),
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits)

@@ -1,7 +1,7 @@
 """Rollout generation speed: the actor's PyTorch backend (`actor.generation.TorchGenerationBackend`) against
 transformers' `generate()` on the same model, batch and sampling, in alternating rounds.
 
-    python -m bench.generation [--rounds 3] [--settings fixed,eos] [--quick]
+    python -m bench.generation [--rounds 3] [--settings fixed,eos] [--compile] [--quick]
 
 The model is a Llama built locally from a fixed seed (no downloads): hidden 256, 6 layers, 8 heads, intermediate
 768, vocabulary 100, float32; batch 64 of random 16-token prompts, 2 torch threads, pure sampling (temperature 1, no
@@ -93,17 +93,20 @@ def run_hf(model: PreTrainedModel, prompts: torch.Tensor, n: int, eos: int | Non
     return time.perf_counter() - start, valid_tokens(out[:, prompts.shape[1]:], eos)
 
 
-def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float) -> list[float]:
+def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float,
+                  compile_decode: bool = False) -> list[float]:
     eos = None if name == "fixed" else EOS
     model = build_model(size, eos_bias if eos is not None else 0.0)
-    backend = TorchGenerationBackend(model, PAD, torch.device("cpu"), compact_below=compact_below)
+    backend = TorchGenerationBackend(model, PAD, torch.device("cpu"), compact_below=compact_below,
+                                     compile_decode=compile_decode)
     prompts = torch.randint(3, size.vocab, (size.batch, size.prompt_len), generator=torch.Generator().manual_seed(1))
     n = size.max_new_tokens
     run_ours(backend, prompts, n, eos, seed=10_000)  # warm-up, untimed
     run_hf(model, prompts, n, eos, seed=10_000)
     stop = f"stop at EOS (EOS logit bias {eos_bias:g})" if eos is not None else "no stop token"
     print(f"\n{name}: batch {size.batch}, prompts {size.prompt_len}, max_new_tokens {n}, {stop}; "
-          f"ours on the {backend.last_stats.cache} KV cache, compact_below {compact_below:g}")
+          f"ours on the {backend.last_stats.cache} KV cache, compact_below {compact_below:g}"
+          f"{', decode step compiled' if compile_decode else ''}")
     print(f"{'round':>5}  {'ours tok/s':>10}  {'mean len':>8}  {'hf tok/s':>10}  {'mean len':>8}  {'ratio':>6}  load")
     ours_tps, hf_tps, ratios = [], [], []
     for i in range(rounds):
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eos-bias", type=float, default=0.3, help="added to the EOS logit in the eos setting")
     parser.add_argument("--compact-below", type=float, default=0.75, help="TorchGenerationBackend(compact_below=...)")
+    parser.add_argument("--compile", action="store_true", help="ours with the decode step compiled "
+                        "(TorchGenerationBackend(compile_decode=True), policy.generation.compile); the untimed warm-up "
+                        "run compiles it")
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch, one round: checks the bench runs")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -135,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.settings.split(","):
         if name not in ("fixed", "eos"):
             parser.error(f"unknown setting {name!r}")
-        medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below))
+        medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below,
+                                                        args.compile))
     print("\nmedian speed-up (ours / transformers tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
     return 0
 

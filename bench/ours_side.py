@@ -91,7 +91,8 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
              logprob_batch: int, lr: float = 1e-5, seed: int = 42, compile_: bool = False) -> OursRun:
     """One run of our actor with its two servers; `threads` = (actor, critic, reward[, actor while the servers
     compute]) torch threads (the last: the actor's num_threads_shared, default its num_threads). `compile_`: every
-    model pass but generation compiled (policy.compile; the critic and reward servers' compile)."""
+    model pass and the decode step compiled (policy.compile, policy.generation.compile; the critic and reward
+    servers' compile)."""
     from bench.trl_models import Assets
 
     assets = Assets(models)
@@ -135,7 +136,7 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
         # TRL takes them from generate's scores); W1/W2 generate every token, EOS or not (TRL's stop_token=None)
         "critic.ppo_epochs": epochs, "policy.generation.reuse_logprobs": "true",
         "policy.generation.ignore_eos": "false" if stop_eos else "true",
-        **({"policy.compile": "true"} if compile_ else {}),
+        **({"policy.compile": "true", "policy.generation.compile": "true"} if compile_ else {}),
     }
     optional = ("critic.ppo_epochs", "policy.generation.reuse_logprobs", "policy.generation.ignore_eos")
     skipped = [k for k in optional if k not in keys]

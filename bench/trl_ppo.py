@@ -287,8 +287,8 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
     ours_phases = {k: median([s.get(k, 0.0) for s in ours_steps]) for k in keys}
     ours_phases["critic train (server, overlaps train_time)"] = median([s["critic_train_seconds"] for s in ours_steps])
     print(f"  ours, median seconds per step by timer (actor {threads[0]} ({threads[-1]} while a server computes), "
-          f"critic {threads[1]}, reward {threads[2]} threads; model passes but "
-          f"generation {'compiled' if args.compile else 'eager'}; rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
+          f"critic {threads[1]}, reward {threads[2]} threads; model passes and the decode step "
+          f"{'compiled' if args.compile else 'eager'}; rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
           f"    {fmt_phases(ours_phases)}")
     print(f"  optimizer steps per PPO step: policy {w.epochs} (one per epoch over the batch), critic "
           f"{median([s['critic_optimizer_steps'] for s in ours_steps]):.0f} (as the critic server reports them)")
@@ -364,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-trl", action="store_true", help="run our side only (no ratios)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS", help="before each run, wait "
                         "up to this long for other processes to leave the cores alone (shared machines)")
-    parser.add_argument("--compile", action="store_true", help="ours: torch.compile every model pass but generation "
-                        "(policy.compile; the critic and reward servers' compile); the first step, which compiles, is "
+    parser.add_argument("--compile", action="store_true", help="ours: torch.compile every model pass and the decode step "
+                        "(policy.compile, policy.generation.compile; the critic and reward servers' compile); the first step, which compiles, is "
                         "dropped like every warm-up step. TRL's side runs as it ships (eager)")
     parser.add_argument("--json", default=None, help="also write every measurement to this file")
     args = parser.parse_args(argv)

@@ -124,15 +124,9 @@ class CompileUnavailable(RuntimeError):
 ModelPass = Callable[[PreTrainedModel, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> ModelPass:
-    """`fn(model, tokens, lengths)` compiled by torch.compile when `enabled` (else `fn` itself), with dynamic shapes:
-    one graph per model and grad mode serves every bucket width and row count, one row and one token included
-    (`fn` returns per-position outputs, [B, S, ...]). Each first call compiles (tens of seconds on a CPU; see
-    `warm_up`); the passes then run inductor's fused kernels, with float results equal to eager up to reduction
-    order. On the CPU inductor builds C++ kernels, so a machine
-    without a C++ compiler is refused here, naming `key`, rather than at the first pass."""
-    if not enabled:
-        return fn
+def require_compiler(key: str, device: torch.device) -> None:
+    """Refuse `key=true` (CompileUnavailable) where torch.compile cannot build kernels: on the CPU inductor builds
+    C++ kernels, so a machine without a C++ compiler is refused at start rather than at the first pass."""
     if device.type == "cpu":
         from torch._inductor import cpp_builder
 
@@ -142,6 +136,17 @@ def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> Mo
             raise CompileUnavailable(f"{key}=true: torch.compile on the CPU builds C++ kernels, and no C++ compiler was "
                                      f"found ({type(e).__name__}; install g++ or clang++, or set $CXX), or set "
                                      f"{key}=false") from None
+
+
+def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> ModelPass:
+    """`fn(model, tokens, lengths)` compiled by torch.compile when `enabled` (else `fn` itself), with dynamic shapes:
+    one graph per model and grad mode serves every bucket width and row count, one row and one token included
+    (`fn` returns per-position outputs, [B, S, ...]). Each first call compiles (tens of seconds on a CPU; see
+    `warm_up`); the passes then run inductor's fused kernels, with float results equal to eager up to reduction
+    order. Refused here, naming `key`, where it cannot compile (`require_compiler`)."""
+    if not enabled:
+        return fn
+    require_compiler(key, device)
     graph = torch.compile(fn, dynamic=True)
 
     def pass_(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
         # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
         run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
                         "policy.generation.reuse_logprobs=true",
-                        f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
+                        f"policy.compile={str(compile_).lower()}", f"policy.generation.compile={str(compile_).lower()}",
+                        f"critic.address={critic.address}",
                         f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         if compile_:  # a lone row and a one-token row, which dynamo would compile apart, run on the same graph

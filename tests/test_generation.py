@@ -166,6 +166,44 @@ def test_preallocated_and_dynamic_caches_agree():
             assert ended == (resp[-1] in (2, 5)) and not set(resp[:-1]) & {2, 5}
 
 
+def test_a_compiled_decode_step_samples_as_the_eager_one_on_one_graph():
+    """policy.generation.compile: the same tokens and log-probs (to float rounding) as eager decoding, sampling and
+    greedy, with rows leaving the batch down to one (which runs eager); one graph serves every batch size, cache
+    length and prompt width, so later calls compile nothing."""
+    from torch._dynamo.utils import counters
+
+    model, prompts = tiny_model(), tiny_prompts()
+    eager = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
+    compiled = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0, compile_decode=True)
+    cases = [(prompts, SamplingParams(20, temperature=0.0, stop_token_ids=(2,))),
+             (prompts[:5], SamplingParams(12, temperature=0.9, top_k=10, stop_token_ids=(2,))),
+             ([p + [7, 9, 11] for p in prompts[3:]], SamplingParams(25, temperature=1.0)),
+             (prompts[:2], SamplingParams(30, temperature=0.0, stop_token_ids=(2,)))]
+    graphs, lone = None, []
+    for i, (rows, params) in enumerate(cases):
+        a, b = eager.generate(rows, params, seed=i), compiled.generate(rows, params, seed=i)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), i
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        stats = compiled.last_stats
+        assert stats.compiled_steps > 0 and stats.row_steps == eager.last_stats.row_steps, (i, stats)
+        lone.append(stats.compiled_steps < stats.decode_steps)  # down to one row, which ran eager
+        if i == 0:
+            assert stats.compactions >= 3
+            graphs = counters["stats"]["unique_graphs"]
+    assert any(lone), lone
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled once, at the first call
+
+
+def test_a_compiled_decode_step_without_a_cxx_compiler_is_refused_naming_its_key(monkeypatch, tmp_path):
+    from serving.modeling import CompileUnavailable
+
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-compiler"),))  # what $CXX sets
+    with pytest.raises(CompileUnavailable, match=r"policy\.generation\.compile=true: .*C\+\+ compiler"):
+        TorchGenerationBackend(tiny_model(), 0, torch.device("cpu"), compile_decode=True)
+
+
 def test_gpt2_runs_on_the_preallocated_cache():
     model, prompts = tiny_model("gpt2"), tiny_prompts()
     backend = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
