@@ -38,6 +38,7 @@ from serving.modeling import (
     compiled,
     length_buckets,
     max_length_of,
+    require_compiler,
     resolve_device,
     torch_threads,
 )
@@ -97,6 +98,8 @@ class PPOTrainer:
         # every pass over whole sequences (training, log-probs) goes through this; generation's decode step has its
         # own switch (policy.generation.compile)
         self.logits = compiled(causal_lm_logits, pol.compile, "policy.compile", self.device)
+        if gen.compile:  # refused here, before the servers are waited for (the backend checks it again)
+            require_compiler("policy.generation.compile", self.device)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
         strings = tuple(gen.stop_strings or ())

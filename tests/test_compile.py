@@ -40,8 +40,7 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
         # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
         run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
                         "policy.generation.reuse_logprobs=true",
-                        f"policy.compile={str(compile_).lower()}", f"policy.generation.compile={str(compile_).lower()}",
-                        f"critic.address={critic.address}",
+                        f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
                         f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         if compile_:  # a lone row and a one-token row, which dynamo would compile apart, run on the same graph
@@ -75,14 +74,15 @@ def test_compiled_services_train_as_eager_ones(embedded_cache, log_dir, tmp_path
 
 def test_no_cxx_compiler_is_refused_at_start(embedded_cache, log_dir, tmp_path):
     """On the CPU inductor builds C++ kernels: without a compiler the actor and a server stop at start, naming the
-    key, instead of failing at the first pass."""
+    key, instead of failing at the first pass. The actor is asked for the compiled decode step
+    (policy.generation.compile); policy.compile goes through the same check (serving.modeling.require_compiler)."""
     env = {"CXX": str(tmp_path / "no-such-compiler")}
     run_dir = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port",
-                          "0", f"run_dir={run_dir}", "policy.compile=true", "policy.device=cpu"],
+                          "0", f"run_dir={run_dir}", "policy.generation.compile=true", "policy.device=cpu"],
                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 1, run.stderr[-2000:]
-    assert "policy.compile=true" in run.stderr and "C++ compiler" in run.stderr, run.stderr[-2000:]
+    assert "policy.generation.compile=true" in run.stderr and "C++ compiler" in run.stderr, run.stderr[-2000:]
     reward = ServiceProcess("reward", "compile=true", "device=cpu", log_dir=log_dir, env=env)
     with pytest.raises(RuntimeError, match=r"exited with 1"):
         reward.start()
