@@ -254,12 +254,12 @@ class AsyncRollouts:
 
     def __init__(self, collector: RolloutCollector, sampler: PromptSampler, params: SamplingParams, ppo: PPOConfig,
                  policy: PreTrainedModel, pad_id: int, device: torch.device, generation_batch_size: int,
-                 timers: Timers):
+                 timers: Timers, compile_decode: bool = False):
         self.collector, self.sampler, self.params, self.ppo = collector, sampler, params, ppo
         self.pad_id, self.generation_batch_size, self.timers = pad_id, generation_batch_size, timers
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.backend = TorchGenerationBackend(self.model, pad_id, device, tokenizer=collector.backend.tokenizer,
-                                              compile_decode=collector.backend.compiled_step is not None)
+                                              compile_decode=compile_decode)
         # the worker generates as the trainer's collector does (episodes too, with an environment), with its own
         # model and its own timers (the trainer's belong to its step)
         worker_collector = copy.copy(collector)

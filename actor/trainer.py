@@ -131,7 +131,7 @@ class PPOTrainer:
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits)
         self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
-                                       self.device, pol.generation_batch_size, self.timers)
+                                       self.device, pol.generation_batch_size, self.timers, gen.compile)
                          if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))
 
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
