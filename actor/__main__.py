@@ -5,20 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from serving.codec import retain_freed_memory
 from serving.config import parse_cli
-from serving.modeling import CompileUnavailable
-from serving.security import SecurityError
 
-from .advantages import MissingRewardComponents
-from .async_rollouts import RolloutWorkerError
-from .checkpoints import ResumeError
-from .clients import IncompatibleServer, RemoteError
 from .config import ActorConfig
-from .data import DataError
-from .environments import BadEnvironment
-from .models import ModelSetupError
-from .rollouts import DynamicSamplingError
 
 FLAGS = {
     "--http-port": ("http_port", "REST port for /health, /ready, /metrics (0 disables)"),
@@ -31,8 +20,21 @@ FLAGS = {
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_cli(ActorConfig, argv, "PPO actor: trains the policy against remote critic and reward servers.", FLAGS)
+    # torch and transformers only now: a config error above exits at once, not after seconds of imports
     import transformers
 
+    from serving.codec import retain_freed_memory
+    from serving.modeling import CompileUnavailable
+    from serving.security import SecurityError
+
+    from .advantages import MissingRewardComponents
+    from .async_rollouts import RolloutWorkerError
+    from .checkpoints import ResumeError
+    from .clients import IncompatibleServer, RemoteError
+    from .data import DataError
+    from .environments import BadEnvironment
+    from .models import ModelSetupError
+    from .rollouts import DynamicSamplingError
     from .trainer import PPOTrainer
 
     transformers.utils.logging.disable_progress_bar()

@@ -2,10 +2,8 @@
 
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
-from serving.server import run_service
 
 from .config import CriticConfig
-from .servicer import CriticService
 
 FLAGS = {
     "--host": ("host", "interface to listen on"),
@@ -21,6 +19,10 @@ FLAGS = {
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS, SECURITY_SWITCHES)
+    from serving.server import run_service  # torch and transformers load only after the config is valid
+
+    from .servicer import CriticService
+
     run_service(CriticService(cfg))
 
 

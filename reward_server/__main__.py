@@ -2,7 +2,6 @@
 
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
-from serving.server import run_service
 
 from .config import RewardConfig
 from .scorers import SCORERS
@@ -21,7 +20,9 @@ FLAGS = {
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_cli(RewardConfig, argv, "PPO reward server (rewards over gRPC and POST /get_reward).", FLAGS,
                     SECURITY_SWITCHES)
-    from .servicer import RewardService  # torch and transformers load only after the config is valid
+    from serving.server import run_service  # torch and transformers load only after the config is valid
+
+    from .servicer import RewardService
 
     run_service(RewardService(cfg))
 

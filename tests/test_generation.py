@@ -195,9 +195,9 @@ def test_a_compiled_decode_step_samples_as_the_eager_one_on_one_graph():
 
 
 def test_a_compiled_decode_step_without_a_cxx_compiler_is_refused_naming_its_key(monkeypatch, tmp_path):
-    from serving.modeling import CompileUnavailable
-
     from torch._inductor import config as inductor_config
+
+    from serving.modeling import CompileUnavailable
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-compiler"),))  # what $CXX sets
     with pytest.raises(CompileUnavailable, match=r"policy\.generation\.compile=true: .*C\+\+ compiler"):
