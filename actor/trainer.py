@@ -38,7 +38,6 @@ from serving.modeling import (
     compiled,
     length_buckets,
     max_length_of,
-    require_compiler,
     resolve_device,
     torch_threads,
 )
@@ -98,8 +97,9 @@ class PPOTrainer:
         # every pass over whole sequences (training, log-probs) goes through this; generation's decode step has its
         # own switch (policy.generation.compile)
         self.logits = compiled(causal_lm_logits, pol.compile, "policy.compile", self.device)
-        if gen.compile:  # refused here, before the servers are waited for (the backend checks it again)
-            require_compiler("policy.generation.compile", self.device)
+        # made before the servers are waited for, so policy.generation.compile without a compiler is refused at once
+        backend = TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
+                                         compile_decode=gen.compile)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
         strings = tuple(gen.stop_strings or ())
@@ -125,8 +125,7 @@ class PPOTrainer:
         self.episode_metrics = (lambda mask: {}) if cfg.env.name is None else episode_metrics
         self.collector = collector(
             policy=self.policy, reference=self.reference,
-            backend=TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
-                                           compile_decode=gen.compile),
+            backend=backend,
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits)

@@ -68,6 +68,11 @@ TINY_LENGTHS = {"W1": 8, "W2": 16, "W3": 16}
 PROMPT_TOKENS = 16
 
 
+def peak_size(args: argparse.Namespace) -> int:
+    """The matmul peak's matrix size: --tiny only checks the harness runs, so a quick peak will do."""
+    return 512 if args.tiny else 2048
+
+
 def matmul_peak(threads: int, size: int = 2048, reps: int = 8) -> float:
     """Best fp32 torch.mm throughput (FLOP/s) over `reps` runs of a size^3 product at `threads` threads."""
     import torch
@@ -209,8 +214,7 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
           f"{w.epochs} PPO epoch(s), micro-batch {args.micro_batch}, "
           f"{'stop at EOS' if w.stop_eos else 'EOS ignored'}; {args.rounds} round(s) of {args.steps} steps per side "
           f"(step 1 dropped)", flush=True)
-    peak_size = 512 if args.tiny else 2048  # --tiny only checks the harness runs: a quick peak will do
-    peaks = [matmul_peak(args.total_threads, peak_size)]
+    peaks = [matmul_peak(args.total_threads, peak_size(args))]
     rounds: list[dict] = []
     for r in range(args.rounds):
         order = ["trl", "ours"] if r % 2 == 0 else ["ours", "trl"]
@@ -247,7 +251,7 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
                   + (f"  DISTURBED: {'; '.join(res[f'{side}_disturbed'])}" if res[f"{side}_disturbed"] else ""),
                   flush=True)
         rounds.append(res)
-    peaks.append(matmul_peak(args.total_threads, peak_size))
+    peaks.append(matmul_peak(args.total_threads, peak_size(args)))
     return report(w, args, length, rounds, max(peaks), peaks, params, threads)
 
 
@@ -307,7 +311,7 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
 
     # training efficiency: model FLOPs of the trained tokens / training wall time / matmul peak
     print(f"  training efficiency vs the fp32 matmul peak at {args.total_threads} threads: {peak / 1e9:.0f} GFLOP/s "
-          f"({512 if args.tiny else 2048}^3 torch.mm, best of the measurements before/after: "
+          f"({peak_size(args)}^3 torch.mm, best of the measurements before/after: "
           f"{', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
     ours_len = median([s["response_length"] for s in ours_steps])
     ours_tokens = args.batch * (PROMPT_TOKENS + ours_len)
