@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serving.codec import retain_freed_memory
     from serving.modeling import CompileUnavailable
+    from serving.rest import PortTaken
     from serving.security import SecurityError
 
     from .advantages import MissingRewardComponents
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = PPOTrainer(cfg)
     except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment,
-            CompileUnavailable) as e:
+            CompileUnavailable, PortTaken) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

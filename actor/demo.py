@@ -21,10 +21,19 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out before by this process: the kernel may offer the same port again
+    as soon as its probe socket closes, so two calls in a row could otherwise name one port twice."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_ready(name: str, proc: subprocess.Popen, url: str, timeout: float) -> None:

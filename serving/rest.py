@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 from collections.abc import Callable
 
@@ -38,9 +39,32 @@ class QuietUvicorn(uvicorn.Server):
         yield
 
 
+class PortTaken(OSError):
+    """The REST port cannot be bound (taken, or not an address of this host)."""
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """Bind the REST port before uvicorn serves on it. uvicorn binding it itself calls sys.exit from inside its task
+    or thread on failure: a service would die mid-start (or, in a thread, go on without its endpoints) instead of
+    stopping with an error that names the port."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT does not block a restart
+        sock.bind(address)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise PortTaken(f"cannot listen on {host}:{port} (HTTP): {e.strerror or e}; is the port taken?") from e
+    return sock
+
+
 def start_ops_thread(app: FastAPI, host: str, port: int) -> QuietUvicorn:
     """Serve `app` from a daemon thread (for processes whose main thread does other work, like the actor).
-    Returns the server; set `.should_exit = True` to stop it."""
+    Returns the server; set `.should_exit = True` to stop it. Raises PortTaken at once when the port cannot be bound."""
+    sock = bind_http(host, port)
     server = QuietUvicorn(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
-    threading.Thread(target=server.run, name="ops-http", daemon=True).start()
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ops-http", daemon=True).start()
     return server

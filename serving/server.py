@@ -36,7 +36,7 @@ from .codec import retain_freed_memory
 from .config import StrictModel
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
-from .rest import QuietUvicorn, add_ops_routes
+from .rest import PortTaken, QuietUvicorn, add_ops_routes, bind_http
 from .security import (
     AuthInterceptor,
     SecurityConfig,
@@ -276,11 +276,16 @@ class Service:
         if bound == 0:
             log.error("%s cannot listen on %s:%d (gRPC): is the port taken?", self.name, cfg.host, cfg.port)
             return 1
+        try:
+            http_socket = bind_http(cfg.host, cfg.http_port)
+        except PortTaken as e:
+            log.error("%s %s", self.name, e)
+            return 1
         await server.start()
 
         http = QuietUvicorn(uvicorn.Config(self.app, host=cfg.host, port=cfg.http_port, log_level="warning",
                                            lifespan="off", ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file))
-        http_task = asyncio.create_task(http.serve())
+        http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         log.info("%s listening: gRPC%s %s:%d, HTTP%s %s:%d%s", self.name, " (TLS)" if credentials else "", cfg.host,
                  bound, "S" if credentials else "", cfg.host, cfg.http_port, ", bearer token required" if token else "")
         log.info("%s receives gRPC messages up to %.1f MiB (max_length %s, max_request_rows %d, max_message_mb %d)",
@@ -290,7 +295,7 @@ class Service:
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait([load, stop_task, http_task], return_when=asyncio.FIRST_COMPLETED)
         if http_task.done() and not stop.is_set():
-            log.error("%s cannot listen on %s:%d (HTTP): is the port taken?", self.name, cfg.host, cfg.http_port)
+            log.error("%s: its HTTP server stopped: %s", self.name, http_task.exception() or "without an error")
             await server.stop(0)
             return 1
         if load.done() and not stop.is_set() and load.exception() is not None:

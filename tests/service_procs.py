@@ -20,6 +20,27 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Test servers take ports from 15000-31999, below the kernel's usual ephemeral range (32768-60999), so no client
+# connection's local port takes one between the check below and the server's bind. Under pytest-xdist each worker
+# owns a block of its own, so two workers never name the same port.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_BLOCK = (32000 - 15000) // _WORKERS
+_next_port = iter(range(15000 + _WORKER * _BLOCK, 15000 + (_WORKER + 1) * _BLOCK))
+
+
+def free_port() -> int:
+    """A loopback port free now and never handed out before in this test session, by any worker."""
+    for port in _next_port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port left in this worker's block of {_BLOCK}")
+
+
 # Default ports of each service: (gRPC, HTTP). The actor has no gRPC port.
 PORTS = {"critic": (5555, 8001), "reward": (5556, 8002), "actor": (None, 8000)}
 
@@ -31,12 +52,6 @@ def service_args(name: str, grpc_port: int | None, http_port: int) -> list[str]:
     if grpc_port is not None:
         args += ["--port", str(grpc_port)]
     return args + ["--http-port", str(http_port)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServiceProcess:

@@ -406,11 +406,22 @@ def test_train_loss_equals_the_value_loss_of_the_same_weights_in_process(critic,
     assert reply.metrics["vf_clipfrac"] == pytest.approx(float(stats["vf_clipfrac"]), abs=1e-6)
 
 
-def test_a_second_server_on_a_taken_port_fails_instead_of_sharing_it(critic, log_dir):
-    result = subprocess.run([sys.executable, "-m", "critic_server", "--port", str(critic.grpc_port), "--http-port", "0"],
-                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{critic.grpc_port}" in result.stderr
+def test_a_second_server_on_a_taken_port_fails_instead_of_sharing_it(critic, log_dir, tmp_path):
+    def start(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", *argv], check=False, cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+
+    grpc_taken = start("critic_server", "--port", str(critic.grpc_port), "--http-port", "0")
+    assert grpc_taken.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{critic.grpc_port} (gRPC)" in grpc_taken.stderr
+    # A taken REST port stops the process with its own error (exit 1), whether a server's or the actor's
+    http_taken = start("critic_server", "--port", "0", "--http-port", str(critic.http_port))
+    assert http_taken.returncode == 1, http_taken.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{critic.http_port} (HTTP)" in http_taken.stderr
+    actor = start("actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", str(critic.http_port),
+                  f"run_dir={tmp_path}")
+    assert actor.returncode == 1, actor.stderr[-2000:]
+    assert f"error: cannot listen on 127.0.0.1:{critic.http_port} (HTTP)" in actor.stderr
 
 
 def test_a_critic_resumes_from_its_checkpoint_with_the_configured_lr(critic, stub, log_dir):
