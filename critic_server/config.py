@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from serving.config import StrictModel
-from serving.server import ServerConfig
+from serving.server_config import ServerConfig
 
 
 class CriticTrainConfig(StrictModel):

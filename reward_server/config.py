@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from serving.server import ServerConfig
+from serving.server_config import ServerConfig
 
 from .scorers import SCORERS, describe_scorers
 

@@ -33,60 +33,23 @@ from pydantic import Field
 
 from .batching import ModelWorker
 from .codec import retain_freed_memory
-from .config import StrictModel
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
 from .rest import PortTaken, QuietUvicorn, add_ops_routes, bind_http
 from .security import (
     AuthInterceptor,
-    SecurityConfig,
     SecurityError,
     add_rest_auth,
     check_exposure,
     load_token,
     server_credentials,
 )
+from .server_config import ServerConfig
 from .wire import add_parsing_service, grpc_options, receive_limit_bytes
 
 log = logging.getLogger(__name__)
 
 _REPLY_FLUSH_S = 1.0  # after the model work drained: time for the last replies to reach their clients
-
-
-class BatchingConfig(StrictModel):
-    """Dynamic batching of concurrent inference requests."""
-
-    max_batch_size: int = Field(64, ge=1, description="Most rows merged into one forward pass.")
-    max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a partial batch waits for more rows.")
-    max_queue_size: int = Field(1024, ge=1, description="Queued requests beyond which new ones get RESOURCE_EXHAUSTED.")
-
-
-class ServerConfig(SecurityConfig):
-    """Network, security and lifecycle settings every server shares."""
-
-    host: str = Field("127.0.0.1", description="Interface to listen on; containers pass 0.0.0.0.")
-    port: int = Field(..., ge=0, le=65535, description="gRPC port.")
-    http_port: int = Field(..., ge=0, le=65535, description="REST port for /health, /ready, /metrics.")
-    max_message_mb: int = Field(
-        1024, ge=4, description="gRPC send limit in MiB, and the most the receive limit may be (512 x 4096 tokens fit). "
-        "The receive limit is min(max_message_mb MiB, max(4 MiB, 2 x max_request_rows x max_length x 32 B + 1 MiB)), "
-        "where max_length is the model's (read from its config before the weights load; unknown, e.g. for a rule "
-        "scorer, gives max_message_mb) and 32 B is the largest encoding of one token (int64 token + three float64 "
-        "per-action values); a larger message gets RESOURCE_EXHAUSTED from gRPC before it is buffered.")
-    max_request_rows: int = Field(
-        4096, ge=1, description="Rows of max_length tokens one request may carry (a Train carries the whole "
-        "rollout); sets the gRPC receive limit (see max_message_mb). Rows of shorter sequences fit in proportion.")
-    grace_period_s: float = Field(30.0, ge=0, description="How long in-flight work may take after SIGTERM.")
-    device: str = Field("auto", description="torch device for the model: auto (cuda if available), cpu, cuda, cuda:N.")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads of this process (its thread budget when services "
-                             "share a machine's cores); 0: torch's default, one per core.")
-    compile: bool = Field(False, description="torch.compile the model's passes (Infer, Score, and the critic's Train "
-                          "forward and backward) into fused kernels, with dynamic shapes so one graph serves every batch "
-                          "width. They compile at load, on a 2-row dummy batch, before the server reports ready (tens of "
-                          "seconds on a CPU); on a CPU a Train micro-batch of over 4096 tokens compiles once more when "
-                          "it first comes. On the CPU it needs a C++ compiler (g++ or "
-                          "clang++), checked at start. Results equal eager ones up to float reduction order.")
-    batching: BatchingConfig = Field(default_factory=BatchingConfig)
 
 
 _MAX_DETAILS = 2000  # characters; gRPC fails a call whose status message passes its 16 KiB metadata limit
