@@ -75,7 +75,7 @@ class GenerationConfig(StrictModel):
     val_top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus mass.")
     val_top_k: int | None = Field(None, ge=1, description="Validation top-k; null disables.")
     ignore_eos: bool = Field(False, description="Generate max_new_tokens for every sample, EOS or not (benchmarks); stop_token_ids still stop.")
-    compile: bool = Field(False, description="torch.compile the decode step (one token per row on the pre-allocated KV cache) into fused kernels, with dynamic shapes so one graph serves every batch size and cache length; prefill, a lone row and models on the DynamicCache fallback stay eager. The first generation compiles (tens of seconds on a CPU); on the CPU it needs a C++ compiler, checked at start. Log-probs equal eager ones up to float reduction order, so a sample can differ where two tokens' probabilities are within rounding.")
+    compile: bool = Field(False, description="torch.compile the decode step (one token per row on the pre-allocated KV cache) into fused kernels, with dynamic shapes so one graph serves every batch size and cache length; prefill, a lone row and models on the DynamicCache fallback stay eager. The first generation compiles (tens of seconds on a CPU; the log says how long); on the CPU it needs a C++ compiler, checked at start. Log-probs equal eager ones up to float reduction order, so a sample can differ where two tokens' probabilities are within rounding.")
     reuse_logprobs: bool = Field(False, description="Take the rollout policy's log-probs from generation instead of a separate forward pass; the torch backend samples from the policy itself, so they differ only by float rounding (docs/PERFORMANCE.md gives the measured error).")
 
 

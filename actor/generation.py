@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -244,6 +246,23 @@ class GenerationStats:
     row_steps: int = 0
 
 
+def first_call_logged(fn: Callable, what: str) -> Callable:
+    """`fn`, logging how long its first call took: a compiled function compiles then, and a run pauses for it."""
+    first = True
+
+    def call(*args):
+        nonlocal first
+        if not first:
+            return fn(*args)
+        started = time.perf_counter()
+        out = fn(*args)
+        first = False
+        log.info("%s in %.1f s", what, time.perf_counter() - started)
+        return out
+
+    return call
+
+
 class TorchGenerationBackend:
     """Batched sampling with a KV cache on the training policy itself (no copy, so no refit needed).
 
@@ -282,7 +301,8 @@ class TorchGenerationBackend:
         self.compiled_step = None
         if compile_decode:
             require_compiler("policy.generation.compile", device)
-            self.compiled_step = torch.compile(decode_step, dynamic=True)
+            self.compiled_step = first_call_logged(torch.compile(decode_step, dynamic=True),
+                                                   "policy.generation.compile=true: decode step compiled")
         self.last_stats = GenerationStats()
         self._no_preallocated: set[type] = set()  # model classes that failed on the pre-allocated cache
 

@@ -29,7 +29,6 @@ from fastapi.responses import JSONResponse
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
-from pydantic import Field
 
 from .batching import ModelWorker
 from .codec import retain_freed_memory

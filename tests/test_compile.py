@@ -1,10 +1,11 @@
-"""torch.compile of the model passes as a user turns it on: `policy.compile=true` on the actor and `compile=true`
-on the critic and reward servers give the same run as eager ones, and a machine that cannot compile is refused at
-start with the key named.
+"""torch.compile of the model passes as a user turns it on: `policy.compile=true` and
+`policy.generation.compile=true` on the actor and `compile=true` on the critic and reward servers give the same run as
+eager ones, and a machine that cannot compile is refused at start with the key named.
 
 Compiling costs tens of seconds per process on a CPU, so one run covers the compiled passes of each kind: the
-actor's training (forward and backward) and its reference log-prob pass, the critic's Infer and Train, the reward
-server's Score. The servers compile at load, before ready; the run asserts they compile nothing after.
+actor's training (forward and backward), its reference log-prob pass and its decode step, the critic's Infer and
+Train, the reward server's Score. The servers compile at load, before ready; the run asserts they compile nothing
+after.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
         critic, reward = (s.start(wait=False) for s in servers)
         # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
         run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
-                        "policy.generation.reuse_logprobs=true",
+                        "policy.generation.reuse_logprobs=true", f"policy.generation.compile={str(compile_).lower()}",
                         f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
                         f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
+        assert ("decode step compiled in" in run.stderr) == compile_, run.stderr[-3000:]
         if compile_:  # a lone row and a one-token row, which dynamo would compile apart, run on the same graph
             client = CriticClient(RemoteConfig(address=critic.address))
             for width in (1, 5):
