@@ -34,7 +34,14 @@ from transformers import PreTrainedModel
 
 from .config import PPOConfig
 from .data import Prompt, PromptSampler
-from .generation import Rollout, SamplingParams, TorchGenerationBackend, concat_rollouts, select_rows
+from .generation import (
+    GenerationCounts,
+    Rollout,
+    SamplingParams,
+    TorchGenerationBackend,
+    concat_rollouts,
+    select_rows,
+)
 from .rollouts import RolloutBatch, RolloutCollector, generate_in_batches
 from .tracking import Timers
 
@@ -54,6 +61,7 @@ class SyncRollouts:
 
     def __init__(self, collector: RolloutCollector, sampler: PromptSampler, params: SamplingParams, ppo: PPOConfig):
         self.collector, self.sampler, self.params, self.ppo = collector, sampler, params, ppo
+        self.counts = GenerationCounts(collector.backend)
 
     def collect(self, step: int) -> tuple[RolloutBatch, int]:
         """The step's batch and the number of generation batches it took (dynamic sampling)."""
@@ -67,7 +75,8 @@ class SyncRollouts:
         """Nothing to do: generation uses the policy itself."""
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        """generation/*: the decode work since the last step's report (validation generation included)."""
+        return self.counts.metrics()
 
     def close(self) -> None:
         pass
@@ -267,6 +276,7 @@ class AsyncRollouts:
         self._generate_rows = worker_collector.generate_rows
         self.worker: GenerationWorker | None = None
         self._metrics: dict[str, float] = {}
+        self.counts = GenerationCounts(self.backend)  # the worker's decode work, which runs ahead of the steps
 
     def _generate(self, prompts: list[Prompt], batch: int) -> Rollout:
         """The worker's generation of the groups meant for step `batch`, in the synchronous step's batches and
@@ -328,8 +338,8 @@ class AsyncRollouts:
                 params[name].copy_(w)
 
     def metrics(self) -> dict[str, float]:
-        """The last collect's async/* metrics."""
-        return self._metrics
+        """The last collect's async/* metrics, and generation/*: the worker's decode work since the last report."""
+        return {**self._metrics, **self.counts.metrics()}
 
     def close(self) -> None:
         if self.worker is not None and not self.worker.stop():

@@ -7,6 +7,7 @@ will implement the same `GenerationBackend` protocol, plus `update_weights` for 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -245,6 +246,32 @@ class GenerationStats:
     compactions: int = 0
     row_steps: int = 0
 
+    def add(self, other: GenerationStats) -> None:
+        for name in GENERATION_COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+GENERATION_COUNTS = ("decode_steps", "compiled_steps", "compactions", "row_steps")
+
+
+class GenerationCounts:
+    """Per-step `generation/*` metrics: what a backend ran since the last report, from its running `totals`
+    (backends without them, such as TensorRT-LLM's, report none)."""
+
+    def __init__(self, backend: GenerationBackend):
+        self.backend = backend
+        self.seen = GenerationStats()
+
+    def metrics(self) -> dict[str, float]:
+        totals = getattr(self.backend, "totals", None)
+        if totals is None:
+            return {}
+        now = dataclasses.replace(totals)
+        counts = {f"generation/{name}": float(getattr(now, name) - getattr(self.seen, name))
+                  for name in GENERATION_COUNTS}
+        self.seen = now
+        return counts
+
 
 def first_call_logged(fn: Callable, what: str) -> Callable:
     """`fn`, logging how long its first call took: a compiled function compiles then, and a run pauses for it."""
@@ -304,6 +331,7 @@ class TorchGenerationBackend:
             self.compiled_step = first_call_logged(torch.compile(decode_step, dynamic=True),
                                                    "policy.generation.compile=true: decode step compiled")
         self.last_stats = GenerationStats()
+        self.totals = GenerationStats()  # summed over every generate call (GenerationCounts reports them per step)
         self._no_preallocated: set[type] = set()  # model classes that failed on the pre-allocated cache
 
     def update_weights(self, model: PreTrainedModel) -> None:
@@ -452,6 +480,7 @@ class TorchGenerationBackend:
         out_lp.index_copy_(0, rows, hist_lp)
         ends.index_copy_(0, rows, string_end)
         self.last_stats = stats
+        self.totals.add(stats)
         return out.cpu(), out_lp.cpu(), ends.cpu()
 
 

@@ -45,6 +45,8 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
                         f"reward.address={reward.address}", timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         assert ("decode step compiled in" in run.stderr) == compile_, run.stderr[-3000:]
+        for row in metrics(tmp_path / name):  # every decode step of 2 rows or more ran compiled
+            assert (row["generation/compiled_steps"] > 0) == compile_, row
         if compile_:  # a lone row and a one-token row, which dynamo would compile apart, run on the same graph
             client = CriticClient(RemoteConfig(address=critic.address))
             for width in (1, 5):

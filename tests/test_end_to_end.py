@@ -68,6 +68,10 @@ def test_actor_trains_two_steps_and_writes_metrics_and_checkpoints(servers, tmp_
         assert all(key in r for r in rows), key
     assert 0.0 <= rows[0]["train_rollouts/rewards"] <= 1.0
     assert "train_rollouts/reward/positive_fraction" in rows[0]
+    for r in rows:  # the decode work of the step's generation, eager (no policy.generation.compile)
+        assert r["generation/decode_steps"] > 0 and r["generation/compiled_steps"] == 0
+        assert r["generation/decode_steps"] <= r["generation/row_steps"] <= \
+            r["generation/decode_steps"] * r["train_rollouts/rollout_size"]
     assert rows[1]["critic/train_step"] > rows[0]["critic/train_step"]
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "reward_curve.png").stat().st_size > 1000

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from actor.generation import (
+    GenerationCounts,
     PreallocatedCache,
     Rollout,
     SamplingParams,
@@ -145,6 +146,23 @@ def test_finished_rows_leave_the_batch_and_greedy_still_matches_transformers(com
     for i, p in enumerate(prompts):
         assert responses(r)[i] == generate_alone(model, p, 20), i
     assert r.ended.tolist() == [resp[-1] == 2 for resp in responses(r)]
+
+
+def test_generation_counts_report_each_interval_of_decode_work():
+    model, prompts = tiny_model(), tiny_prompts()
+    backend = TorchGenerationBackend(model, 0, torch.device("cpu"))
+    counts = GenerationCounts(backend)
+    assert set(counts.metrics().values()) == {0.0}  # nothing generated yet
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(2,))
+    runs = []
+    for n in (2, 3):  # calls between two reports sum; each report covers only what ran since the last
+        for seed in range(n):
+            backend.generate(prompts[: 2 + seed], params, seed=seed)
+            runs.append(backend.last_stats)
+        report = counts.metrics()
+        assert report == {f"generation/{k}": float(sum(getattr(s, k) for s in runs[-n:]))
+                          for k in ("decode_steps", "compiled_steps", "compactions", "row_steps")}
+        assert report["generation/decode_steps"] > 0
 
 
 def test_preallocated_and_dynamic_caches_agree():
