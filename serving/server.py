@@ -249,7 +249,8 @@ class Service:
                                            lifespan="off", ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file))
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         log.info("%s listening: gRPC%s %s:%d, HTTP%s %s:%d%s", self.name, " (TLS)" if credentials else "", cfg.host,
-                 bound, "S" if credentials else "", cfg.host, cfg.http_port, ", bearer token required" if token else "")
+                 bound, "S" if credentials else "", cfg.host, http_socket.getsockname()[1],
+                 ", bearer token required" if token else "")
         log.info("%s receives gRPC messages up to %.1f MiB (max_length %s, max_request_rows %d, max_message_mb %d)",
                  self.name, receive_limit / 2**20, max_length or "unknown", cfg.max_request_rows, cfg.max_message_mb)
 
