@@ -73,7 +73,7 @@ def peak_size(args: argparse.Namespace) -> int:
     return 512 if args.tiny else 2048
 
 
-def matmul_peak(threads: int, size: int = 2048, reps: int = 8) -> float:
+def matmul_peak(threads: int, size: int, reps: int = 8) -> float:
     """Best fp32 torch.mm throughput (FLOP/s) over `reps` runs of a size^3 product at `threads` threads."""
     import torch
 
