@@ -81,7 +81,9 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
                 self.service.metrics_expired.inc()
                 raise
             except asyncio.CancelledError:  # the caller left (its deadline, or a cancel) before the model thread
-                if ticket.abandon() and deadline is not None and time.monotonic() >= deadline:
+                # Counted whatever the reason: the client's deadline fires a little before the one taken here at
+                # arrival, so its cancel can come in first, and a Train not applied is one either way.
+                if ticket.abandon():
                     self.service.metrics_expired.inc()
                 raise
 
@@ -125,8 +127,8 @@ class CriticService(Service):
         self.metrics_last_loss = Gauge(f"{p}_last_loss", "Value loss of the last Train call", registry=self.metrics.registry)
         self.metrics_duplicates = Counter(f"{p}_duplicate_trains", "Trains answered from an earlier call of the same "
                                           "request_id, not applied again", registry=self.metrics.registry)
-        self.metrics_expired = Counter(f"{p}_expired_trains", "Trains not applied because their deadline passed "
-                                       "before the model worker reached them", registry=self.metrics.registry)
+        self.metrics_expired = Counter(f"{p}_expired_trains", "Trains not applied because their deadline passed, "
+                                       "or their caller left, before the model worker reached them", registry=self.metrics.registry)
 
     def load(self) -> None:
         self.core.load()

@@ -603,16 +603,25 @@ def test_a_bad_request_id_is_refused_and_nothing_trains(stub, request_id):
     assert _info(stub).train_step == step0
 
 
-def test_a_train_whose_deadline_passes_in_the_queue_is_not_applied(critic, stub):
+@pytest.mark.parametrize("leaves_by", ["deadline", "cancel"])
+def test_a_train_whose_caller_leaves_while_it_is_queued_is_not_applied(critic, stub, leaves_by):
+    """A Train queued behind a long one whose caller goes away (its deadline passes, or it cancels) before the
+    model worker reaches it is never applied, is counted, and its id is not remembered."""
     tokens, lengths = batch(35)
-    big, _ = batch(36, b=1024, s=48)  # about a second of training on a CPU
+    big, _ = batch(36, b=2048, s=48)  # about two seconds of training on a CPU
+    request_id = f"run-a/{leaves_by}/0"
     step0 = _info(stub).train_step
     expired = _metric(critic, "ppo_critic_expired_trains_total")
     ahead = stub.Train.future(train_request(big, 1.0), timeout=120)
     time.sleep(0.2)  # let the big one reach the model worker first
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Train(_with_id(train_request(tokens, 9.0), "run-a/9/0"), timeout=0.3)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    if leaves_by == "deadline":
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Train(_with_id(train_request(tokens, 9.0), request_id), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    else:
+        queued = stub.Train.future(_with_id(train_request(tokens, 9.0), request_id))
+        time.sleep(0.3)
+        assert queued.cancel() and not ahead.done()
     big_steps = ahead.result().train_step - step0
     values = infer(stub, tokens, lengths)
     time.sleep(0.5)  # anything still pending on the server would have run by now
@@ -620,7 +629,7 @@ def test_a_train_whose_deadline_passes_in_the_queue_is_not_applied(critic, stub)
     torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)
     assert _metric(critic, "ppo_critic_expired_trains_total") == expired + 1
     # Not remembered as applied: the same id with time to spare trains.
-    assert stub.Train(_with_id(train_request(tokens, 9.0), "run-a/9/0"), timeout=120).train_step == step0 + big_steps + 1
+    assert stub.Train(_with_id(train_request(tokens, 9.0), request_id), timeout=120).train_step == step0 + big_steps + 1
 
 
 def test_a_critic_restarted_on_its_checkpoint_dir_resumes_and_remembers_request_ids(embedded_cache, log_dir, tmp_path):
