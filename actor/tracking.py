@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
@@ -91,6 +91,17 @@ class MetricsTracker:
             "async/trajectory_age_max": Gauge("ppo_actor_async_trajectory_age_max", "Oldest trained group's age in steps", registry=registry),
             "async/evictions": Gauge("ppo_actor_async_evictions", "Groups evicted as too old in the last step", registry=registry),
         }
+        # per-step counts (what ran since the previous row) summed into Prometheus counters, for rate()
+        self.counters = {
+            "generation/decode_steps": Counter("ppo_actor_generation_decode_steps", "Decode forwards the PyTorch "
+                                               "generation backend ran", registry=registry),
+            "generation/compiled_steps": Counter("ppo_actor_generation_compiled_steps", "Decode forwards run by the "
+                                                 "compiled decode step", registry=registry),
+            "generation/compactions": Counter("ppo_actor_generation_compactions", "Times finished rows were dropped "
+                                              "from the generation batch", registry=registry),
+            "generation/row_steps": Counter("ppo_actor_generation_row_steps", "Rows computed, summed over decode "
+                                            "forwards", registry=registry),
+        }
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -103,6 +114,8 @@ class MetricsTracker:
                 self.tb.add_scalar(k, v, step)
             if k in self.gauges:
                 self.gauges[k].set(v)
+            elif k in self.counters and v > 0:
+                self.counters[k].inc(v)
         if self.tb is not None:
             self.tb.flush()
         if step > 0:  # step 0 is validation before training
