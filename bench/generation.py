@@ -2,6 +2,7 @@
 transformers' `generate()` on the same model, batch and sampling, in alternating rounds.
 
     python -m bench.generation [--rounds 3] [--settings fixed,eos] [--compile] [--quick]
+        [--device cpu|cuda] [--precision float32|bfloat16]
 
 The model is a Llama built locally from a fixed seed (no downloads): hidden 256, 6 layers, 8 heads, intermediate
 768, vocabulary 100, float32; batch 64 of random 16-token prompts, 2 torch threads, pure sampling (temperature 1, no
@@ -15,7 +16,9 @@ Tokens/s = valid response tokens (up to and including the stop token) / wall-clo
 definition for both. Each setting first runs both sides once untimed at full size (the first long run of a process
 pays for the allocator's growth, page faults included), then alternates: ours, transformers, ... and prints every
 round's tokens/s, mean response length, ratio and the 1-minute load average, then the medians. `--quick` is a tiny
-model and batch that only checks the bench runs.
+model and batch that only checks the bench runs. `--device cuda --precision bfloat16` measures the same on a GPU
+(both sides on the same device and dtype; each timed call ends with a device synchronisation); that path has not
+been run where this was written (no GPU).
 """
 
 from __future__ import annotations
@@ -75,11 +78,18 @@ def valid_tokens(generated: torch.Tensor, eos: int | None) -> int:
     return int(first.sum())
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int, eos: int | None,
              seed: int) -> tuple[float, int]:
     params = SamplingParams(max_new_tokens=n, temperature=1.0, stop_token_ids=() if eos is None else (eos,))
+    synchronize(backend.device)
     start = time.perf_counter()
     r = backend.generate(prompts.tolist(), params, seed)
+    synchronize(backend.device)
     return time.perf_counter() - start, int(r.response_lengths.sum())
 
 
@@ -87,26 +97,29 @@ def run_hf(model: PreTrainedModel, prompts: torch.Tensor, n: int, eos: int | Non
     config = GenerationConfig(do_sample=True, max_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0,
                               eos_token_id=eos, pad_token_id=PAD, bos_token_id=BOS)
     torch.manual_seed(seed)
+    synchronize(model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+    synchronize(model.device)
     return time.perf_counter() - start, valid_tokens(out[:, prompts.shape[1]:], eos)
 
 
 def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float,
-                  compile_decode: bool = False) -> list[float]:
+                  compile_decode: bool = False, device: str = "cpu", precision: str = "float32") -> list[float]:
     eos = None if name == "fixed" else EOS
-    model = build_model(size, eos_bias if eos is not None else 0.0)
-    backend = TorchGenerationBackend(model, PAD, torch.device("cpu"), compact_below=compact_below,
-                                     compile_decode=compile_decode)
+    dev = torch.device(device)
+    model = build_model(size, eos_bias if eos is not None else 0.0).to(dev, getattr(torch, precision))
+    backend = TorchGenerationBackend(model, PAD, dev, compact_below=compact_below, compile_decode=compile_decode)
     prompts = torch.randint(3, size.vocab, (size.batch, size.prompt_len), generator=torch.Generator().manual_seed(1))
+    prompts = prompts.to(dev)
     n = size.max_new_tokens
     run_ours(backend, prompts, n, eos, seed=10_000)  # warm-up, untimed
     run_hf(model, prompts, n, eos, seed=10_000)
     stop = f"stop at EOS (EOS logit bias {eos_bias:g})" if eos is not None else "no stop token"
     print(f"\n{name}: batch {size.batch}, prompts {size.prompt_len}, max_new_tokens {n}, {stop}; "
           f"ours on the {backend.last_stats.cache} KV cache, compact_below {compact_below:g}"
-          f"{', decode step compiled' if compile_decode else ''}")
+          f"{', decode step compiled' if compile_decode else ''}; {precision} on {device}")
     print(f"{'round':>5}  {'ours tok/s':>10}  {'mean len':>8}  {'hf tok/s':>10}  {'mean len':>8}  {'ratio':>6}  load")
     ours_tps, hf_tps, ratios = [], [], []
     for i in range(rounds):
@@ -133,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(TorchGenerationBackend(compile_decode=True), policy.generation.compile); the untimed warm-up "
                         "run compiles it")
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch, one round: checks the bench runs")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides' device")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     torch.set_num_threads(args.threads)
     size, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
     print(f"torch {torch.__version__}, {args.threads} threads, {len(os.sched_getaffinity(0))} cores")
@@ -142,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ("fixed", "eos"):
             parser.error(f"unknown setting {name!r}")
         medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below,
-                                                        args.compile))
+                                                        args.compile, args.device, args.precision))
     print("\nmedian speed-up (ours / transformers tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
     return 0
 

@@ -6,7 +6,8 @@ The settings that match TRL's (bench/trl_side.py): `batch` prompts per step, one
 each one optimizer step over the whole batch (train_global_batch_size = batch) micro-batched by micro_batch; GAE
 (gamma 1, lambda 0.95) on the critic's values, advantages whitened; the KL to the reference (same weights) in the
 reward as TRL does it: k1, not absolute, beta 0.05 (TRL's kl_coef default); value loss clipped at 0.2 and scaled
-by 0.1 (TRL's vf_coef); temperature 1, no top-k/top-p; fp32 on the CPU; no validation, checkpoints or TensorBoard.
+by 0.1 (TRL's vf_coef); temperature 1, no top-k/top-p; fp32 on the CPU (or --device/--precision of
+bench.trl_ppo, for all three processes); no validation, checkpoints or TensorBoard.
 Samples that did not stop at EOS still get their policy gradient (ppo.overlong_filtering=false): TRL has no such
 filter, and in W1/W2 no sample stops. The critic trains `epochs` passes per step (critic.ppo_epochs), as TRL's
 value model trains in every PPO epoch.
@@ -83,11 +84,12 @@ class Service:
 
 def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: int, response_length: int,
              epochs: int, steps: int, stop_eos: bool, threads: tuple[int, ...], generation_batch: int,
-             logprob_batch: int, lr: float = 1e-5, seed: int = 42, compile_: bool = False) -> OursRun:
+             logprob_batch: int, lr: float = 1e-5, seed: int = 42, compile_: bool = False, device: str = "cpu",
+             precision: str = "float32") -> OursRun:
     """One run of our actor with its two servers; `threads` = (actor, critic, reward[, actor while the servers
     compute]) torch threads (the last: the actor's num_threads_shared, default its num_threads). `compile_`: every
     model pass and the decode step compiled (policy.compile, policy.generation.compile; the critic and reward
-    servers' compile)."""
+    servers' compile). `device` and `precision`: every model of the three (cuda: all on cuda:0)."""
     from bench.trl_models import Assets
 
     assets = Assets(models)
@@ -100,11 +102,12 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
     servers = {
         "critic": [python, "-m", "critic_server", "--port", str(ports["critic"][0]), "--http-port",
                    str(ports["critic"][1]), "--model", str(assets.value), "--checkpoint-dir", str(work / "critic"),
-                   "--device", "cpu", "resume=never", f"num_threads={critic_threads}", f"train.lr={lr}",
+                   "--device", device, f"dtype={precision}", "resume=never", f"num_threads={critic_threads}",
+                   f"train.lr={lr}",
                    f"train.global_batch_size={batch}", f"train.micro_batch_size={micro_batch}",
                    f"batching.max_batch_size={max(batch, generation_batch)}", *(["compile=true"] if compile_ else [])],
         "reward": [python, "-m", "reward_server", "--port", str(ports["reward"][0]), "--http-port",
-                   str(ports["reward"][1]), "--model", str(assets.reward), "--device", "cpu",
+                   str(ports["reward"][1]), "--model", str(assets.reward), "--device", device, f"dtype={precision}",
                    f"num_threads={reward_threads}", f"batching.max_batch_size={max(batch, generation_batch)}",
                    *(["compile=true"] if compile_ else [])],
     }
@@ -112,7 +115,7 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
         "run_dir": str(work / "run"), "num_threads": actor_threads, "num_threads_shared": shared_threads,
         "critic.address": f"127.0.0.1:{ports['critic'][0]}", "reward.address": f"127.0.0.1:{ports['reward'][0]}",
         "data.train_file": str(assets.prompts), "data.val_file": str(assets.prompts), "data.shuffle": "false",
-        "policy.model_name": str(assets.policy), "policy.device": "cpu", "policy.precision": "float32",
+        "policy.model_name": str(assets.policy), "policy.device": device, "policy.precision": precision,
         "policy.train_global_batch_size": batch, "policy.train_micro_batch_size": micro_batch,
         "policy.generation_batch_size": generation_batch, "policy.logprob_batch_size": logprob_batch,
         "policy.optimizer.kwargs.lr": lr,

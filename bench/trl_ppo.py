@@ -4,6 +4,7 @@ TRL's on the same models, prompts and settings, run back to back, alternating, w
     make bench-env                                   # once: .venv-bench with torch, this package and trl==1.12.0
     make bench ARGS="--workload W1"                  # = flock /tmp/bench.lock .venv-bench/bin/python -m bench.trl_ppo ...
     .venv-bench/bin/python -m bench.trl_ppo [--workload W1|W2|W3|all] [--rounds 2] [--steps 4] [--tiny]
+        [--device cpu|cuda] [--precision float32|bfloat16]
 
 Workloads (batch 64, 16-token prompts, fp32, 2 threads in all; bench/trl_models.py builds the models):
     W1  training-heavy     64-token responses, 4 PPO epochs, the critic trained every epoch; EOS ignored
@@ -18,6 +19,12 @@ side's step time goes, and each side's training efficiency: model FLOPs (6 * mat
 per epoch * epochs, policy and value, attention's own FLOPs not counted) / training time / the machine's fp32
 matmul peak at 2 threads (the best of a 2048^3 torch.mm, measured in the same run, before and after the
 workload). Nothing is downloaded: the models are built locally and cached in .cache/bench/.
+
+On a GPU (`--device cuda --precision bfloat16`): both sides load every model in bfloat16 on the one GPU (ours: the
+actor, the critic server and the reward server all on cuda:0; TRL with use_cpu off), and train the bf16 weights
+directly (TRL's bf16 autocast stays off, as ours has none), so both do the same work in the same precision; the peak
+is then the bf16 torch.mm peak of that GPU. The CUDA path has not been run where this was written (no GPU); the
+suite runs the bf16 path on the CPU at --tiny size.
 
 Choices, with what was measured on the 2-core machine this was written on (medians of 3 steps):
 - thread budgets of ours (--threads actor,critic,reward), default 1,1,1. W2: 1,1,1 21.3 s/step; 2,1,1 24.9 s;
@@ -69,24 +76,30 @@ PROMPT_TOKENS = 16
 
 
 def peak_size(args: argparse.Namespace) -> int:
-    """The matmul peak's matrix size: --tiny only checks the harness runs, so a quick peak will do."""
-    return 512 if args.tiny else 2048
+    """The matmul peak's matrix size: --tiny only checks the harness runs, so a quick peak will do; a GPU needs a
+    larger product to be busy."""
+    return 512 if args.tiny else 8192 if args.device == "cuda" else 2048
 
 
-def matmul_peak(threads: int, size: int, reps: int = 8) -> float:
-    """Best fp32 torch.mm throughput (FLOP/s) over `reps` runs of a size^3 product at `threads` threads."""
+def matmul_peak(threads: int, size: int, reps: int = 8, device: str = "cpu", precision: str = "float32") -> float:
+    """Best torch.mm throughput (FLOP/s) over `reps` runs of a size^3 product in `precision` on `device`, at
+    `threads` threads (the CPU's)."""
     import torch
 
+    dtype = getattr(torch, precision)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
         for _ in range(2):
             a @ b
+        sync()
         best = 0.0
         for _ in range(reps):
             t = time.perf_counter()
             a @ b
+            sync()
             best = max(best, 2 * size**3 / (time.perf_counter() - t))
         return best
     finally:
@@ -181,7 +194,8 @@ def run_trl(python: str, models: Path, w: Workload, args: argparse.Namespace, le
     out = work / "trl.json"
     cmd = [python, "-m", "bench.trl_side", "--models", str(models), "--batch", str(args.batch),
            "--micro-batch", str(args.micro_batch), "--response-length", str(length), "--epochs", str(w.epochs),
-           "--steps", str(args.steps), "--threads", str(args.total_threads), "--out", str(out)]
+           "--steps", str(args.steps), "--threads", str(args.total_threads), "--device", args.device,
+           "--precision", args.precision, "--out", str(out)]
     if args.trl_rollout_batch:
         cmd += ["--rollout-batch", str(args.trl_rollout_batch)]
     if w.stop_eos:
@@ -214,7 +228,7 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
           f"{w.epochs} PPO epoch(s), micro-batch {args.micro_batch}, "
           f"{'stop at EOS' if w.stop_eos else 'EOS ignored'}; {args.rounds} round(s) of {args.steps} steps per side "
           f"(step 1 dropped)", flush=True)
-    peaks = [matmul_peak(args.total_threads, peak_size(args))]
+    peaks = [matmul_peak(args.total_threads, peak_size(args), device=args.device, precision=args.precision)]
     rounds: list[dict] = []
     for r in range(args.rounds):
         order = ["trl", "ours"] if r % 2 == 0 else ["ours", "trl"]
@@ -233,12 +247,13 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
                 res["trl_mean_length"] = out["mean_response_length"]
                 res["trl_versions"] = out["versions"]
                 res["trl_generated"] = out["generated"]
+                res["trl_weights"] = out["weights"]
             else:
                 run = run_ours(python=args.ours_python or sys.executable, models=models, work=work / "ours",
                                batch=args.batch, micro_batch=args.micro_batch, response_length=length,
                                epochs=w.epochs, steps=args.steps, stop_eos=w.stop_eos, threads=threads,
                                generation_batch=args.generation_batch, logprob_batch=args.logprob_batch,
-                               compile_=args.compile)
+                               compile_=args.compile, device=args.device, precision=args.precision)
                 res["ours"], res["ours_skipped_keys"] = run.steps, run.skipped_keys
             res[f"{side}_wall"] = time.monotonic() - started
             others = watch.others_share()
@@ -251,7 +266,7 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
                   + (f"  DISTURBED: {'; '.join(res[f'{side}_disturbed'])}" if res[f"{side}_disturbed"] else ""),
                   flush=True)
         rounds.append(res)
-    peaks.append(matmul_peak(args.total_threads, peak_size(args)))
+    peaks.append(matmul_peak(args.total_threads, peak_size(args), device=args.device, precision=args.precision))
     return report(w, args, length, rounds, max(peaks), peaks, params, threads)
 
 
@@ -303,14 +318,15 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
         trl_steps = [s for r in rounds for s in r["trl"][1:]]
         trl_phases = {k: median([s[k] for s in trl_steps]) for k in ("generation", "rollout_other", "train_time",
                                                                          "step_time")}
-        print(f"  TRL, median seconds per step ({args.total_threads} threads; rollout_other = reference, value and "
+        print(f"  TRL, median seconds per step ({args.total_threads} threads, weights {rounds[0]['trl_weights']}; rollout_other = reference, value and "
               f"reward passes + advantages):\n    {fmt_phases(trl_phases)}")
         gen = [r["trl_generated"] for r in rounds]
         print(f"  TRL generated responses {max(g['width'] for g in gen)} tokens wide; "
               f"{sum(g['rows_with_pad'] for g in gen)} of {sum(g['rows'] for g in gen)} rows stopped early (EOS)")
 
     # training efficiency: model FLOPs of the trained tokens / training wall time / matmul peak
-    print(f"  training efficiency vs the fp32 matmul peak at {args.total_threads} threads: {peak / 1e9:.0f} GFLOP/s "
+    where = f"{args.total_threads} threads" if args.device == "cpu" else args.device
+    print(f"  training efficiency vs the {args.precision} matmul peak ({where}): {peak / 1e9:.0f} GFLOP/s "
           f"({peak_size(args)}^3 torch.mm, best of the measurements before/after: "
           f"{', '.join(f'{p / 1e9:.0f}' for p in peaks)})")
     ours_len = median([s["response_length"] for s in ours_steps])
@@ -324,7 +340,7 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
     out = {"disturbed": any(r.get("ours_disturbed") or r.get("trl_disturbed") for r in rounds), "workload": w.name, "response_length": length, "epochs": w.epochs, "rounds": rounds, "peak_flops": peak,
            "peaks": peaks, "median_ratio": med_ratio, "target": w.target, "ours_phases": ours_phases,
            "ours_efficiency": ours_eff, "threads": threads,
-           "compile": args.compile}
+           "compile": args.compile, "device": args.device, "precision": args.precision}
     if have_trl:
         trl_len = median([r["trl_mean_length"] for r in rounds])
         trl_tokens = args.batch * (PROMPT_TOKENS + length)  # TRL trains on the whole padded width every time
@@ -372,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="ours: torch.compile every model pass and the decode step "
                         "(policy.compile, policy.generation.compile; the critic and reward servers' compile); the first step, which compiles, is "
                         "dropped like every warm-up step. TRL's side runs as it ships (eager)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: every "
+                        "model of both on the one GPU, cuda:0)")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="both sides' weights "
+                        "and training precision (bfloat16: the weights trained in bf16 on both sides, no autocast)")
     parser.add_argument("--json", default=None, help="also write every measurement to this file")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (1 if args.tiny else 2)
@@ -386,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 2: the first step of every run is dropped as warm-up")
     if args.batch % args.micro_batch:
         parser.error(f"--micro-batch must divide the batch ({args.batch})")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
 
     trl_python = None
     if not args.skip_trl:

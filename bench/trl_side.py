@@ -7,7 +7,9 @@ How TRL is set up (every choice made so that one TRL step is the same work as on
 - one step = `batch` samples: per_device_train_batch_size = micro_batch, gradient_accumulation_steps = batch /
   micro_batch, num_mini_batches = 1, so each PPO epoch is one optimizer step over the whole batch (ours:
   train_global_batch_size = batch), micro-batched alike; num_ppo_epochs = epochs; total_episodes = steps * batch.
-- fp32 on the CPU (use_cpu, bf16 and fp16 off: PPOConfig's default is bf16), torch threads = --threads.
+- fp32 on the CPU by default (use_cpu, bf16 and fp16 off: PPOConfig's default is bf16), torch threads = --threads;
+  with --device cuda use_cpu is off, and with --precision bfloat16 every model is loaded in bf16 and its bf16
+  weights are trained directly (bf16 autocast stays off), as ours does with policy.precision=bfloat16.
 - gradient_checkpointing off (PPOConfig's default is on): it recomputes the forward pass to save memory, which
   this machine does not need; left on it would cost TRL about a third more training time.
 - local_rollout_forward_batch_size = --rollout-batch (default: the whole batch, TRL's own default of 64), so
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--stop-eos", action="store_true", help='stop_token="eos" (default: None)')
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", required=True)
@@ -69,16 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     from bench.trl_models import Assets
 
     assets = Assets(Path(args.models))
+    dtype = getattr(torch, args.precision)
     tokenizer = AutoTokenizer.from_pretrained(assets.policy)
     prompts = assets.read_prompts()
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[: max(args.batch * args.steps, args.batch)]]
     dataset = Dataset.from_dict({"input_ids": ids})
 
     def load_lm():
-        return AutoModelForCausalLM.from_pretrained(assets.policy, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(assets.policy, dtype=dtype)
 
     def load_scalar(path):
-        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
 
     marks: dict[str, list[float]] = {"step_end": [], "gen_start": [], "gen_end": [], "train_start": []}
     in_step = {"training": False}
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             num_ppo_epochs=args.epochs, total_episodes=args.steps * args.batch,
             local_rollout_forward_batch_size=args.rollout_batch or args.batch, response_length=args.response_length,
             stop_token="eos" if args.stop_eos else None, missing_eos_penalty=None, temperature=1.0,
-            learning_rate=args.lr, seed=args.seed, use_cpu=True, bf16=False, fp16=False,
+            learning_rate=args.lr, seed=args.seed, use_cpu=args.device == "cpu", bf16=False, fp16=False,
             gradient_checkpointing=False, num_sample_generations=0, report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         )
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             train_dataset=dataset, eval_dataset=dataset.select(range(args.batch)), callbacks=[Stamps()],
         )
         trainer.train()
+        weights = next(trainer.model.parameters())
+        weights = f"{str(weights.dtype).removeprefix('torch.')} on {weights.device}"
 
     ends = [marks["train_begin"][0], *marks["step_end"]]
     steps = []
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         steps.append({"step_time": end - start, "generation": gen, "train_time": train,
                       "rollout_other": end - start - gen - train})
     result = {"generated": generated, "steps": steps, "mean_response_length": (sum(lengths) / len(lengths) if lengths else args.response_length), "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                                           "torch": torch.__version__}, "threads": torch.get_num_threads()}
+                                           "torch": torch.__version__}, "threads": torch.get_num_threads(), "weights": weights}
     Path(args.out).write_text(json.dumps(result))
     return 0
 

@@ -58,3 +58,17 @@ def test_trl_side_runs_and_ratios_are_printed(tiny_run):
     assert re.search(r"^\s+1\s+trl\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+x( +\(disturbed\))?$", out, re.MULTILINE), out
     assert re.search(r"median ours/TRL: [\d.]+x .* target >= 1.3x", out), out
     assert re.search(r"W1: [\d.]+x \(target >= 1.3x\)", out), out
+
+
+def test_the_bf16_path_runs_on_both_sides_in_bf16():
+    """--precision bfloat16, the GPU bench's setting, on the CPU at --tiny size: every model of both sides in bf16
+    and the peak taken in bf16 (the --device cuda path itself needs a GPU)."""
+    have_trl, _ = trl_available()
+    cmd = [sys.executable, "-m", "bench.trl_ppo", "--tiny", "--workload", "W2", "--precision", "bfloat16"]
+    cmd += ["--trl-python", str(BENCH_PYTHON)] if have_trl else ["--skip-trl"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert "training efficiency vs the bfloat16 matmul peak" in result.stdout, result.stdout
+    assert re.search(r"ours: \d+ GFLOP/step .* of peak", result.stdout), result.stdout
+    if have_trl:
+        assert "weights bfloat16 on cpu" in result.stdout, result.stdout

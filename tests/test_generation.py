@@ -268,9 +268,11 @@ def test_models_that_cannot_use_the_preallocated_cache_fall_back_to_dynamic_cach
     assert torch.equal(r.tokens, TorchGenerationBackend(llama, 0, torch.device("cpu")).generate(prompts, params, 0).tokens)
 
 
-def test_generation_bench_runs(capsys):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_generation_bench_runs(capsys, precision):
     from bench.generation import main
 
-    assert main(["--quick", "--threads", str(torch.get_num_threads())]) == 0
+    assert main(["--quick", "--threads", str(torch.get_num_threads()), "--precision", precision]) == 0
     out = capsys.readouterr().out
     assert "fixed:" in out and "eos:" in out and "median speed-up" in out
+    assert out.count(f"{precision} on cpu") == 2
