@@ -337,6 +337,23 @@ class TorchGenerationBackend:
     def update_weights(self, model: PreTrainedModel) -> None:
         self.model = model
 
+    # The warm-up's sizes: batch, prompt and new tokens unlike each other and unlike common head counts and sizes, so
+    # that dynamo's duck sizing (one symbol for equal sizes) ties none of them to another dimension of the graph.
+    WARM_UP_SHAPE = (7, 17, 2)
+
+    def warm_up(self) -> float:
+        """With the compiled decode step, compile it now (a short generation from dummy prompts) so the first rollout
+        does not pause for it; returns the seconds it took (0 without compile_decode). Its work is left out of
+        `last_stats` and `totals`, and it draws from a generator of its own, so the run's samples are as without it."""
+        if self.compiled_step is None:
+            return 0.0
+        rows, width, new = self.WARM_UP_SHAPE
+        last, totals = self.last_stats, dataclasses.replace(self.totals)
+        started = time.perf_counter()
+        self.generate([[self.pad_id] * width] * rows, SamplingParams(max_new_tokens=new), seed=0)
+        self.last_stats, self.totals = last, totals
+        return time.perf_counter() - started
+
     @torch.no_grad()  # not inference_mode: the tokens feed autograd-tracked passes later
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> Rollout:
         """Sample one response per prompt; what it took is in `last_stats`."""

@@ -100,6 +100,8 @@ class PPOTrainer:
         # made before the servers are waited for, so policy.generation.compile without a compiler is refused at once
         backend = TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
                                          compile_decode=gen.compile)
+        if not p.async_grpo.enabled:  # compiled now, while the servers may still be starting (the async worker's
+            backend.warm_up()         # own backend compiles on its first rollout, in its thread)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
         strings = tuple(gen.stop_strings or ())

@@ -18,6 +18,7 @@ from transformers import (
 
 from actor.generation import (
     GenerationCounts,
+    GenerationStats,
     PreallocatedCache,
     Rollout,
     SamplingParams,
@@ -184,20 +185,30 @@ def test_preallocated_and_dynamic_caches_agree():
             assert ended == (resp[-1] in (2, 5)) and not set(resp[:-1]) & {2, 5}
 
 
-def test_a_compiled_decode_step_samples_as_the_eager_one_on_one_graph():
+@pytest.mark.parametrize("warm_up", [False, True], ids=["compiled-at-first-call", "compiled-at-warm-up"])
+def test_a_compiled_decode_step_samples_as_the_eager_one_on_one_graph(warm_up):
     """policy.generation.compile: the same tokens and log-probs (to float rounding) as eager decoding, sampling and
     greedy, with rows leaving the batch down to one (which runs eager); one graph serves every batch size, cache
-    length and prompt width, so later calls compile nothing."""
+    length and prompt width, so later calls compile nothing. The trainer's warm-up compiles it before the first
+    rollout, counts nothing and leaves the samples as they would be; the async worker compiles at its first call."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # each case compiles afresh, not from the other's cached graph
     model, prompts = tiny_model(), tiny_prompts()
     eager = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
     compiled = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0, compile_decode=True)
+    assert eager.warm_up() == 0.0  # nothing to compile
+    graphs = None
+    if warm_up:
+        before = counters["stats"]["unique_graphs"]
+        assert compiled.warm_up() > 0
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == before + 1 and compiled.totals == GenerationStats()
     cases = [(prompts, SamplingParams(20, temperature=0.0, stop_token_ids=(2,))),
              (prompts[:5], SamplingParams(12, temperature=0.9, top_k=10, stop_token_ids=(2,))),
              ([p + [7, 9, 11] for p in prompts[3:]], SamplingParams(25, temperature=1.0)),
              (prompts[:2], SamplingParams(30, temperature=0.0, stop_token_ids=(2,)))]
-    graphs, lone = None, []
+    lone = []
     for i, (rows, params) in enumerate(cases):
         a, b = eager.generate(rows, params, seed=i), compiled.generate(rows, params, seed=i)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), i
@@ -207,9 +218,10 @@ def test_a_compiled_decode_step_samples_as_the_eager_one_on_one_graph():
         lone.append(stats.compiled_steps < stats.decode_steps)  # down to one row, which ran eager
         if i == 0:
             assert stats.compactions >= 3
-            graphs = counters["stats"]["unique_graphs"]
+            graphs = graphs if warm_up else counters["stats"]["unique_graphs"]
     assert any(lone), lone
-    assert counters["stats"]["unique_graphs"] == graphs  # compiled once, at the first call
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled once: at the warm-up, or at the first call
+    assert compiled.totals.decode_steps == eager.totals.decode_steps  # the warm-up's steps are not counted
 
 
 def test_a_compiled_decode_step_without_a_cxx_compiler_is_refused_naming_its_key(monkeypatch, tmp_path):
