@@ -174,6 +174,35 @@ def test_lora_trains_only_its_adapters_against_the_base_model_as_reference(lora_
     assert (logprobs(models.policy, tokens, lengths) - ref).abs().max() > 1e-3  # and on again afterwards
 
 
+def test_lora_policy_decodes_through_the_compiled_step_as_eager_without_recompiling(lora_trained):
+    """policy.generation.compile on a LoRA policy: the compiled decode step samples as eager decoding does, and
+    neither the reference pass (adapters off, then on again) nor a training step compiles it again."""
+    from torch._dynamo.utils import counters
+
+    from actor.generation import SamplingParams, TorchGenerationBackend
+
+    models, _, _ = lora_trained
+    eager = TorchGenerationBackend(models.policy, 0, CPU)
+    compiled = TorchGenerationBackend(models.policy, 0, CPU, compile_decode=True)
+    compiled.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    prompts, params = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]] * 3, SamplingParams(12, temperature=1.0)
+    tokens, lengths = batch()
+
+    def same(seed: int) -> None:
+        a, b = eager.generate(prompts, params, seed), compiled.generate(prompts, params, seed)
+        assert torch.equal(a.tokens, b.tokens), seed
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+    same(0)
+    with models.reference.resident() as reference:
+        logprobs(reference, tokens, lengths)
+    same(1)
+    train_steps(models)
+    same(2)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_lora_checkpoint_holds_the_adapter_and_a_merged_model(lora_trained, embedded_assets, tmp_path):
     models, _, _ = lora_trained
     tokenizer = AutoTokenizer.from_pretrained(embedded_assets.policy)
