@@ -224,14 +224,18 @@ def test_a_compiled_decode_step_samples_as_the_eager_one_on_one_graph(warm_up):
     assert compiled.totals.decode_steps == eager.totals.decode_steps  # the warm-up's steps are not counted
 
 
-def test_a_compiled_decode_step_without_a_cxx_compiler_is_refused_naming_its_key(monkeypatch, tmp_path):
+def test_a_compiled_decode_step_without_a_cxx_compiler_is_refused_naming_its_key(tmp_path):
     from torch._inductor import config as inductor_config
 
     from serving.modeling import CompileUnavailable
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-compiler"),))  # what $CXX sets
-    with pytest.raises(CompileUnavailable, match=r"policy\.generation\.compile=true: .*C\+\+ compiler"):
+    # torch's own patch, not monkeypatch: monkeypatch's undo deletes the key from inductor's config, which then hides
+    # it ("cpp.cxx does not exist") from every later compile in this process
+    missing = (str(tmp_path / "no-such-compiler"),)  # what $CXX sets
+    with inductor_config.patch({"cpp.cxx": missing}), \
+            pytest.raises(CompileUnavailable, match=r"policy\.generation\.compile=true: .*C\+\+ compiler"):
         TorchGenerationBackend(tiny_model(), 0, torch.device("cpu"), compile_decode=True)
+    assert inductor_config.cpp.cxx != missing
 
 
 def test_gpt2_runs_on_the_preallocated_cache():
