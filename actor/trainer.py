@@ -51,7 +51,7 @@ from .config import ActorConfig
 from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .environments import BadEnvironment
 from .generation import SamplingParams, TorchGenerationBackend
-from .models import load_models
+from .models import ModelSetupError, load_models
 from .multiturn import episode_metrics, multi_turn_collector
 from .rollouts import RolloutBatch, RolloutCollector
 from .servers import Servers
@@ -90,6 +90,10 @@ class PPOTrainer:
         policy_path = str(self.resume_from / "actor") if self.resume_from else resolve_model(pol.model_name)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        if self.pad_id is None:
+            raise ModelSetupError(f"policy.model_name: the tokenizer of {policy_path} has neither a pad token nor an EOS "
+                                  "token; generation pads rows with one of them (set pad_token or eos_token in its "
+                                  "tokenizer_config.json)")
         # frozen layers, LoRA adapters, the reference's placement: actor/models.py
         self.models = load_models(pol, self.resume_from, self.device, dtype,
                                   with_reference=not p.skip_reference_policy_logprobs_calculation)
@@ -103,7 +107,11 @@ class PPOTrainer:
         if not p.async_grpo.enabled:  # compiled now, while the servers may still be starting (the async worker's
             backend.warm_up()         # own backend compiles on its first rollout, in its thread)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
-        stops = (*(() if gen.ignore_eos else (self.tokenizer.eos_token_id,)), *(gen.stop_token_ids or []))
+        eos = self.tokenizer.eos_token_id
+        if eos is None and not gen.ignore_eos:
+            log.warning("the tokenizer of %s has no EOS token: responses end only at policy.generation.max_new_tokens, "
+                        "stop_token_ids or stop_strings", policy_path)
+        stops = (*(() if gen.ignore_eos or eos is None else (eos,)), *(gen.stop_token_ids or []))
         strings = tuple(gen.stop_strings or ())
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops, strings)
         self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops,

@@ -272,6 +272,38 @@ def test_an_actor_run_with_frozen_layers_and_an_offloaded_reference(reward, embe
     assert bad.returncode == 1 and "policy.num_layers_unfrozen=3, but LlamaForCausalLM has 2" in bad.stderr, bad.stderr[-2000:]
 
 
+def test_a_policy_tokenizer_without_pad_or_eos_is_refused_at_start(embedded_assets, tmp_path):
+    """A tokenizer with neither a pad nor an EOS token leaves generation nothing to pad with: the actor stops at
+    start naming policy.model_name and the directory, before it waits for any server."""
+    model_dir = tmp_path / "no-pad-no-eos"
+    shutil.copytree(embedded_assets.policy, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token, tokenizer.eos_token = None, None
+    tokenizer.save_pretrained(model_dir)
+    assert AutoTokenizer.from_pretrained(model_dir).pad_token_id is None
+    bad = run_actor("grpo", tmp_path / "run", f"policy.model_name={model_dir}", critic_dead(), timeout=120)
+    assert bad.returncode == 1, bad.stderr[-2000:]
+    assert f"error: policy.model_name: the tokenizer of {model_dir} has neither a pad token nor an EOS token" \
+        in bad.stderr, bad.stderr[-2000:]
+
+
+def test_a_policy_tokenizer_without_eos_generates_to_max_new_tokens(embedded_assets, reward, tmp_path):
+    """No EOS token (a pad token only): no sample can end by EOS, so every response runs to max_new_tokens, and
+    the log says so once at start."""
+    model_dir = tmp_path / "no-eos"
+    shutil.copytree(embedded_assets.policy, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(model_dir)
+    assert AutoTokenizer.from_pretrained(model_dir).eos_token_id is None
+    run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", "checkpointing.save_period=0",
+                    f"policy.model_name={model_dir}", f"reward.address={reward.address}", critic_dead())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"the tokenizer of {model_dir} has no EOS token" in run.stderr
+    [row] = metrics(tmp_path / "run")
+    assert row["train_rollouts/response_lengths"] == 8 and row["train_rollouts/fraction_of_samples_properly_ended"] == 0
+
+
 def test_an_actor_run_with_lora_checkpoints_and_resumes_exactly(reward, tmp_path):
     """Two steps, a checkpoint after each; the second is deleted and the same command resumes from the first: its
     step 2 equals the uninterrupted run's."""
