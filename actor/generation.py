@@ -251,7 +251,14 @@ class GenerationStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-GENERATION_COUNTS = ("decode_steps", "compiled_steps", "compactions", "row_steps")
+# The counted fields of GenerationStats, reported per step as generation/<name> and summed on the actor's /metrics
+# as ppo_actor_generation_<name>_total, with what each counts.
+GENERATION_COUNTS = {
+    "decode_steps": "Decode forwards the PyTorch generation backend ran",
+    "compiled_steps": "Decode forwards run by the compiled decode step",
+    "compactions": "Times finished rows were dropped from the generation batch",
+    "row_steps": "Rows computed, summed over decode forwards",
+}
 
 
 class GenerationCounts:

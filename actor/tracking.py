@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from .generation import GENERATION_COUNTS
+
 
 class Timers:
     """Accumulating wall-clock timers, reported as `timers/<name>` seconds per step."""
@@ -92,16 +94,8 @@ class MetricsTracker:
             "async/evictions": Gauge("ppo_actor_async_evictions", "Groups evicted as too old in the last step", registry=registry),
         }
         # per-step counts (what ran since the previous row) summed into Prometheus counters, for rate()
-        self.counters = {
-            "generation/decode_steps": Counter("ppo_actor_generation_decode_steps", "Decode forwards the PyTorch "
-                                               "generation backend ran", registry=registry),
-            "generation/compiled_steps": Counter("ppo_actor_generation_compiled_steps", "Decode forwards run by the "
-                                                 "compiled decode step", registry=registry),
-            "generation/compactions": Counter("ppo_actor_generation_compactions", "Times finished rows were dropped "
-                                              "from the generation batch", registry=registry),
-            "generation/row_steps": Counter("ppo_actor_generation_row_steps", "Rows computed, summed over decode "
-                                            "forwards", registry=registry),
-        }
+        self.counters = {f"generation/{name}": Counter(f"ppo_actor_generation_{name}", what, registry=registry)
+                         for name, what in GENERATION_COUNTS.items()}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}

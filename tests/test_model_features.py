@@ -272,14 +272,20 @@ def test_an_actor_run_with_frozen_layers_and_an_offloaded_reference(reward, embe
     assert bad.returncode == 1 and "policy.num_layers_unfrozen=3, but LlamaForCausalLM has 2" in bad.stderr, bad.stderr[-2000:]
 
 
+def policy_with_tokens(embedded_assets, model_dir, **special_tokens):
+    """A copy of the embedded policy in `model_dir` whose tokenizer has `special_tokens` set (None removes one)."""
+    shutil.copytree(embedded_assets.policy, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for name, value in special_tokens.items():
+        setattr(tokenizer, name, value)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
 def test_a_policy_tokenizer_without_pad_or_eos_is_refused_at_start(embedded_assets, tmp_path):
     """A tokenizer with neither a pad nor an EOS token leaves generation nothing to pad with: the actor stops at
     start naming policy.model_name and the directory, before it waits for any server."""
-    model_dir = tmp_path / "no-pad-no-eos"
-    shutil.copytree(embedded_assets.policy, model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.pad_token, tokenizer.eos_token = None, None
-    tokenizer.save_pretrained(model_dir)
+    model_dir = policy_with_tokens(embedded_assets, tmp_path / "no-pad-no-eos", pad_token=None, eos_token=None)
     assert AutoTokenizer.from_pretrained(model_dir).pad_token_id is None
     bad = run_actor("grpo", tmp_path / "run", f"policy.model_name={model_dir}", critic_dead(), timeout=120)
     assert bad.returncode == 1, bad.stderr[-2000:]
@@ -290,11 +296,7 @@ def test_a_policy_tokenizer_without_pad_or_eos_is_refused_at_start(embedded_asse
 def test_a_policy_tokenizer_without_eos_generates_to_max_new_tokens(embedded_assets, reward, tmp_path):
     """No EOS token (a pad token only): no sample can end by EOS, so every response runs to max_new_tokens, and
     the log says so once at start."""
-    model_dir = tmp_path / "no-eos"
-    shutil.copytree(embedded_assets.policy, model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.eos_token = None
-    tokenizer.save_pretrained(model_dir)
+    model_dir = policy_with_tokens(embedded_assets, tmp_path / "no-eos", eos_token=None)
     assert AutoTokenizer.from_pretrained(model_dir).eos_token_id is None
     run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", "checkpointing.save_period=0",
                     f"policy.model_name={model_dir}", f"reward.address={reward.address}", critic_dead())
