@@ -2,13 +2,15 @@
 
 Token batches are right-padded int64 [B, S] with int64 lengths [B] everywhere.
 
-Critic and reward model are both `AutoModelForSequenceClassification` checkpoints with `num_labels=1`:
-a causal-LM body plus a linear `score` head, which `from_pretrained` loads as-is. The critic reads the
+Critic and reward model are both `AutoModelForSequenceClassification` checkpoints with `num_labels=1`
+(or the same layout built here for model types transformers has no such class for): a causal-LM body plus a
+linear `score` head, which `from_pretrained` loads as-is. The critic reads the
 head at every position (values), the reward model at the last valid position (rewards).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -24,6 +26,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,11 +40,47 @@ def resolve_device(spec: str) -> torch.device:
 
 def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a Hugging Face checkpoint with a one-output `score` head. A causal-LM checkpoint (e.g. the
-    policy) gets a freshly initialised head, which is how a critic is initialised from the policy."""
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    policy) gets a freshly initialised head, which is how a critic is initialised from the policy. Model types
+    without a sequence-classification class in transformers get one built from their base model
+    (`scalar_head_class`). A checkpoint that leaves the whole body uninitialised is refused."""
+    cls = scalar_head_class(AutoConfig.from_pretrained(path))
+    model, info = cls.from_pretrained(path, num_labels=1, dtype=dtype, output_loading_info=True)
+    score = getattr(model, "score", None)
+    if score is None:
+        raise ValueError(f"{path}: {type(model).__name__} has no `score` head; the critic and reward servers read a "
+                         f"linear `score` over a decoder body's hidden states, as transformers' decoder models lay "
+                         f"out sequence classification")
+    head = {name for name, _ in score.named_parameters(prefix="score")}
+    body = [name for name, _ in model.named_parameters() if name not in head]
+    if body and set(body) <= set(info["missing_keys"]):
+        raise ValueError(f"{path} has no weights for the body of {type(model).__name__} (expected keys like "
+                         f"{body[0]!r}): it is not a checkpoint of this model type")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
+
+
+def scalar_head_class(config: PretrainedConfig) -> type:
+    """The class that loads `config`'s model type with a linear `score` head: `AutoModelForSequenceClassification`
+    where transformers has a sequence-classification class for the type; otherwise one built from the type's base
+    model (`AutoModel`), laid out as transformers' own `GenericForSequenceClassification` classes are (the body under
+    the type's `base_model_prefix`, then `score`), so it loads the body of a causal-LM checkpoint of that type and its
+    saved checkpoints load back the same way (Granite, Cohere, CodeGen, Gemma 3n, Llama 4, ... have no such class)."""
+    if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        return AutoModelForSequenceClassification
+    if type(config) not in MODEL_MAPPING:
+        raise ValueError(f"model type {config.model_type!r}: transformers has neither a sequence-classification nor a "
+                         f"base model class for it, so it cannot carry a value or reward head")
+    return _generic_scalar_head(MODEL_MAPPING[type(config)])
+
+
+@functools.cache
+def _generic_scalar_head(base: type[PreTrainedModel]) -> type:
+    family = next(c for c in base.__mro__[1:] if issubclass(c, PreTrainedModel))  # e.g. GranitePreTrainedModel
+    name = base.__name__.removesuffix("Model") + "ForSequenceClassification"
+    return type(name, (GenericForSequenceClassification, family),
+                {"base_model_prefix": family.base_model_prefix or GenericForSequenceClassification.base_model_prefix,
+                 "__module__": __name__})
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -720,3 +720,55 @@ def test_length_bucketed_training_equals_one_padded_pass(critic, stub, log_dir):
     assert replies[1].loss == pytest.approx(replies[0].loss, rel=1e-5)
     assert replies[1].metrics["grad_norm"] == pytest.approx(replies[0].metrics["grad_norm"], rel=1e-4)
     torch.testing.assert_close(after[1], after[0], atol=1e-5, rtol=1e-4)
+
+
+def test_a_critic_starts_from_a_policy_whose_type_has_no_sequence_classification_class(embedded_assets, log_dir,
+                                                                                      tmp_path):
+    """transformers has GraniteForCausalLM but no GraniteForSequenceClassification: the critic builds the head over
+    the checkpoint's own body (not a random one), serves and trains it, and its checkpoint loads back the same."""
+    from transformers import AutoModelForCausalLM, GraniteConfig
+
+    tokenizer = load_tokenizer(str(embedded_assets.policy))
+    config = GraniteConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config)
+    policy.save_pretrained(tmp_path / "granite")
+    tokenizer.save_pretrained(tmp_path / "granite")
+    tokens, lengths = batch(51)
+    with ServiceProcess("critic", "--model", str(tmp_path / "granite"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        log_dir=log_dir) as server:
+        ch = channel(server.address)
+        granite = critic_pb2_grpc.CriticServiceStub(ch)
+        before = infer(granite, tokens, lengths)
+        saved = granite.Save(critic_pb2.SaveRequest(tag="untrained"), timeout=120).path
+        reply = _train_with(granite, _train_inputs(52))
+        after = infer(granite, tokens, lengths)
+        ch.close()
+    assert reply.train_step == 1 and reply.loss > 0
+    assert not torch.allclose(after, before)
+    model = load_scalar_head_model(saved).eval()
+    assert type(model).__name__ == "GraniteForSequenceClassification" and model.score.out_features == 1
+    for (name, trained), (_, source) in zip(model.model.state_dict().items(), policy.model.state_dict().items(),
+                                            strict=True):
+        torch.testing.assert_close(trained, source, rtol=0, atol=0, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(per_token_scores(model, tokens, lengths), before, atol=1e-6, rtol=1e-5)
+
+
+def test_a_checkpoint_whose_body_matches_nothing_is_refused_at_start(embedded_assets, log_dir, tmp_path):
+    """Weights under other names than the model type's would leave a random body behind transformers' load warning;
+    the server stops instead, naming the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(embedded_assets.policy, tmp_path / "renamed")
+    weights = load_file(tmp_path / "renamed" / "model.safetensors")
+    save_file({k.replace("model.", "body.", 1): v for k, v in weights.items()},
+              tmp_path / "renamed" / "model.safetensors", metadata={"format": "pt"})
+    done = subprocess.run([sys.executable, "-m", "critic_server", "--port", "0", "--http-port", "0",
+                           "--model", str(tmp_path / "renamed"), "--checkpoint-dir", str(tmp_path / "ckpt")],
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "has no weights for the body of LlamaForSequenceClassification" in done.stderr
+    assert str(tmp_path / "renamed") in done.stderr
