@@ -68,7 +68,7 @@ class GenerationConfig(StrictModel):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens; null disables.")
-    stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens besides EOS.")
+    stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens besides EOS (the tokenizer's and every eos_token_id of the policy's generation config, as generate() stops).")
     stop_strings: list[str] | None = Field(
         None, description="A response stops right after the token that completes one of these strings in its decoded text (also across several tokens), and counts as properly ended; null disables. Checked on a window of the newest tokens (the longest string's length in UTF-8 bytes + 2, as a byte-level tokenizer may split one character into several tokens).")
     val_temperature: float = Field(0.0, ge=0, description="Validation temperature; 0 (the default) is greedy.")
@@ -268,6 +268,16 @@ class DataConfig(StrictModel):
     label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt.")
     max_input_seq_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch.")
+    prompt_file: str | None = Field(None, description="A text file holding a template with one {} where each string prompt goes (NeMo-RL's data.prompt_file; other braces doubled, as in Python's str.format); null uses the prompts as they are.")
+    apply_chat_template: bool = Field(False, description="Render each string prompt (after prompt_file) as one user message through the policy tokenizer's chat template, with the generation prompt; a prompt given as a list of {role, content} messages is always rendered so.")
+    system_prompt_file: str | None = Field(None, description="A text file whose content becomes the system message of every chat-rendered prompt (NeMo-RL's data.system_prompt_file); needs apply_chat_template.")
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_chat(self) -> DataConfig:
+        if self.system_prompt_file is not None and not self.apply_chat_template:
+            raise ValueError("data.system_prompt_file needs data.apply_chat_template=true: only chat-rendered prompts "
+                             "have a system message")
+        return self
 
 
 class LoggerConfig(StrictModel):

@@ -1,5 +1,5 @@
-"""Prompt data: JSONL files, one object per line with a prompt string and optionally a reference answer
-(the label, any JSON value). Errors name the file and line."""
+"""Prompt data: JSONL files, one object per line with a prompt (a string, or a list of chat messages) and
+optionally a reference answer (the label, any JSON value). Errors name the file and line."""
 
 from __future__ import annotations
 
@@ -38,9 +38,76 @@ class Prompt:
     where: str = ""  # "FILE:LINE", for error messages
 
 
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a prompt line becomes text (data.prompt_file, data.apply_chat_template, data.system_prompt_file): a string
+    prompt goes into `template` at its {}, then, with `chat`, becomes one user message after the `system` message;
+    a list of {role, content} messages (TRL's conversational format) gets the system message unless it has one. Chat
+    messages are rendered by the tokenizer's chat template with the generation prompt; the text is then tokenized
+    without adding special tokens (a template writes its own)."""
+
+    template: str | None = None
+    chat: bool = False
+    system: str | None = None
+
+    @classmethod
+    def from_files(cls, prompt_file: str | None, chat: bool, system_prompt_file: str | None) -> PromptFormat:
+        """The format of the data config's keys, reading and checking their files."""
+        template = _read_text(prompt_file, "data.prompt_file") if prompt_file is not None else None
+        if template is not None:
+            try:
+                filled = template.format("\0")
+            except (IndexError, KeyError, ValueError) as e:
+                raise DataError(f"{prompt_file} (data.prompt_file): not a template with one {{}} where the prompt goes "
+                                f"(other braces doubled): {type(e).__name__}: {e}") from None
+            if "\0" not in filled:
+                raise DataError(f"{prompt_file} (data.prompt_file): the template has no {{}} where the prompt goes")
+        system = _read_text(system_prompt_file, "data.system_prompt_file") if system_prompt_file is not None else None
+        return cls(template, chat, system)
+
+    def messages(self, value: Any) -> list[dict[str, str]] | None:
+        """The chat messages of a line's prompt (None: render it as plain text); ValueError says what is wrong."""
+        if isinstance(value, str):
+            if not self.chat:
+                return None
+            value = [{"role": "user", "content": self.text(value)}]
+        elif not (isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)):
+            raise ValueError("expected a non-empty string or a non-empty list of {\"role\": str, \"content\": str} messages")
+        if self.system is not None and value[0]["role"] != "system":
+            value = [{"role": "system", "content": self.system}, *value]
+        return value
+
+    def text(self, prompt: str) -> str:
+        return prompt if self.template is None else self.template.format(prompt)
+
+    def ids(self, value: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """Token ids of a line's prompt; ValueError says what is wrong with it."""
+        messages = self.messages(value)
+        if messages is None:
+            return tokenizer(self.text(value), add_special_tokens=False)["input_ids"]
+        if tokenizer.chat_template is None:
+            raise ValueError("a chat prompt needs a chat template, and the policy's tokenizer has none (set "
+                             "chat_template in its tokenizer_config.json, or give string prompts with "
+                             "data.apply_chat_template=false)")
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate), with its line
+            raise ValueError(f"the policy tokenizer's chat template refused the messages: {type(e).__name__}: {e}") from None
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _read_text(path: str, key: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} ({key}): cannot be read: {e.strerror if isinstance(e, OSError) else e}") from None
+
+
 def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_length: int,
-                 label_key: str = "label") -> list[Prompt]:
-    """Every prompt of a JSONL file, tokenized without special tokens, with its label if the line has one."""
+                 label_key: str = "label", fmt: PromptFormat = PromptFormat()) -> list[Prompt]:
+    """Every prompt of a JSONL file, formatted by `fmt` and tokenized, with its label if the line has one."""
     if not path.is_file():
         raise DataError(f"{path}: prompt file does not exist")
     prompts = []
@@ -52,9 +119,13 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(key), str) or not obj[key]:
-                raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r}")
-            ids = tokenizer(obj[key], add_special_tokens=False)["input_ids"]
+            if not isinstance(obj, dict) or key not in obj or obj[key] == "":
+                raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r} (or a list of "
+                                f"chat messages)")
+            try:
+                ids = fmt.ids(obj[key], tokenizer)
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno}: {key!r}: {e}") from None
             if not ids:
                 raise DataError(f"{path}:{lineno}: prompt tokenizes to nothing")
             if len(ids) > max_length:

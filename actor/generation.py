@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -103,6 +103,15 @@ class GenerationBackend(Protocol):
     def update_weights(self, model: PreTrainedModel) -> None:
         """Make the next generate() use the policy's current weights (refit)."""
         ...
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None) -> tuple[int, ...]:
+    """The tokens that end a response, as `generate()` would stop: the tokenizer's EOS and every `eos_token_id` of
+    the model's generation config (chat models list their end-of-turn tokens there, e.g. Llama 3's <|eot_id|>)."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    configured = None if generation_config is None else generation_config.eos_token_id
+    ids += [configured] if isinstance(configured, int) else list(configured or [])
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 class PreallocatedLayer(DynamicLayer):

@@ -48,9 +48,9 @@ from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
 from .clients import RemoteError
 from .config import ActorConfig
-from .data import PromptSampler, load_prompts, resolve_data_file, run_id_of
+from .data import PromptFormat, PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .environments import BadEnvironment
-from .generation import SamplingParams, TorchGenerationBackend
+from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
 from .models import ModelSetupError, load_models
 from .multiturn import episode_metrics, multi_turn_collector
 from .rollouts import RolloutBatch, RolloutCollector
@@ -107,22 +107,24 @@ class PPOTrainer:
         if not p.async_grpo.enabled:  # compiled now, while the servers may still be starting (the async worker's
             backend.warm_up()         # own backend compiles on its first rollout, in its thread)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
-        eos = self.tokenizer.eos_token_id
-        if eos is None and not gen.ignore_eos:
-            log.warning("the tokenizer of %s has no EOS token: responses end only at policy.generation.max_new_tokens, "
-                        "stop_token_ids or stop_strings", policy_path)
-        stops = (*(() if gen.ignore_eos or eos is None else (eos,)), *(gen.stop_token_ids or []))
+        eos = eos_token_ids(self.tokenizer, getattr(self.policy, "generation_config", None))
+        if not eos and not gen.ignore_eos:
+            log.warning("the tokenizer of %s has no EOS token, nor does the policy's generation config: responses end "
+                        "only at policy.generation.max_new_tokens, stop_token_ids or stop_strings", policy_path)
+        stops = tuple(dict.fromkeys((*(() if gen.ignore_eos else eos), *(gen.stop_token_ids or []))))
         strings = tuple(gen.stop_strings or ())
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops, strings)
         self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops,
                                            strings)
 
         d = cfg.data
+        fmt = PromptFormat.from_files(d.prompt_file, d.apply_chat_template, d.system_prompt_file)
         self.train_prompts = load_prompts(resolve_data_file(d.train_file), d.prompt_key, self.tokenizer,
-                                          d.max_input_seq_length, d.label_key)
+                                          d.max_input_seq_length, d.label_key, fmt)
         validates = p.val_period > 0 or p.val_at_start or p.val_at_end
         self.val_prompts = (load_prompts(resolve_data_file(d.val_file), d.prompt_key, self.tokenizer,
-                                         d.max_input_seq_length, d.label_key)[: p.max_val_samples] if validates else [])
+                                         d.max_input_seq_length, d.label_key, fmt)[: p.max_val_samples]
+                            if validates else [])
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from actor.clients import IncompatibleServer, check_compatible
 from actor.config import ActorConfig
-from actor.data import DataError, Prompt, PromptSampler, load_prompts, require_labels
+from actor.data import DataError, Prompt, PromptFormat, PromptSampler, load_prompts, require_labels
 from critic_server.config import CriticConfig
 from ppo_services.v1 import critic_pb2, reward_pb2
 from serving.config import ConfigError, load_config
@@ -87,6 +87,82 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, wor
     assert str(path) in str(err.value)
     for w in words:
         assert w in str(err.value)
+
+
+# A minimal ChatML-style template (the embedded tokenizer has none): each message on its own line, then the
+# generation prompt; it refuses a conversation that does not end with the user, as many real templates do.
+CHAT_TEMPLATE = (
+    "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last message must be the user') }}{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+@pytest.fixture()
+def chat_tokenizer(embedded_assets):
+    tok = AutoTokenizer.from_pretrained(embedded_assets.policy)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_prompts_become_chat_messages_through_the_tokenizer_s_template(tmp_path, chat_tokenizer):
+    """A string prompt goes into data.prompt_file's {} and, with apply_chat_template, becomes the user message after
+    the system one; a list of messages (TRL's conversational format) always goes through the template; the rendered
+    text is tokenized without adding special tokens, and the label still travels with it."""
+    (tmp_path / "template.txt").write_text("{} =>")
+    (tmp_path / "system.txt").write_text("be kind")
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "river castle", "label": 1}\n'
+                    '{"prompt": [{"role": "user", "content": "river"}]}\n'
+                    '{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "city"}]}\n')
+    fmt = PromptFormat.from_files(str(tmp_path / "template.txt"), True, str(tmp_path / "system.txt"))
+    prompts = load_prompts(path, "prompt", chat_tokenizer, 64, fmt=fmt)
+    texts = ["<system> be kind\n<user> river castle =>\n<assistant> ",
+             "<system> be kind\n<user> river\n<assistant> ",
+             "<system> be brief\n<user> city\n<assistant> "]
+    assert [p.ids for p in prompts] == [chat_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert [p.label for p in prompts] == [1, None, None]
+    plain = load_prompts(path, "prompt", chat_tokenizer, 64, fmt=PromptFormat.from_files(str(tmp_path / "template.txt"),
+                                                                                         False, None))
+    assert plain[0].ids == chat_tokenizer("river castle =>", add_special_tokens=False)["input_ids"]
+    assert plain[1].ids == chat_tokenizer("<user> river\n<assistant> ", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "line, chat, words",
+    [
+        ('{"prompt": [{"role": "user"}]}', False, [":2:", "list of {\"role\": str, \"content\": str}"]),
+        ('{"prompt": 7}', False, [":2:", "non-empty string"]),
+        ('{"prompt": []}', True, [":2:", "non-empty list"]),
+        ('{"prompt": [{"role": "assistant", "content": "hi"}]}', True, [":2:", "chat template refused",
+                                                                      "the last message must be the user"]),
+    ],
+    ids=["message-without-content", "number", "no-messages", "template-refuses"],
+)
+def test_chat_prompt_errors_name_file_and_line(tmp_path, chat_tokenizer, line, chat, words):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "river"}\n' + line + "\n")
+    with pytest.raises(DataError) as err:
+        load_prompts(path, "prompt", chat_tokenizer, 64, fmt=PromptFormat(chat=chat))
+    for w in [str(path), *words]:
+        assert w in str(err.value)
+
+
+def test_chat_prompts_without_a_chat_template_and_bad_prompt_files_are_refused(tmp_path, tokenizer):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "river"}\n')
+    with pytest.raises(DataError) as err:
+        load_prompts(path, "prompt", tokenizer, 64, fmt=PromptFormat(chat=True))
+    assert f"{path}:1:" in str(err.value) and "has none" in str(err.value)
+    assert "data.apply_chat_template=false" in str(err.value)
+    for text, words in (("no slot", "has no {}"), ("{} and {}", "IndexError"), ("\\boxed{} {}", "other braces doubled")):
+        (tmp_path / "t.txt").write_text(text)
+        with pytest.raises(DataError) as err:
+            PromptFormat.from_files(str(tmp_path / "t.txt"), False, None)
+        assert "data.prompt_file" in str(err.value) and words in str(err.value)
+    with pytest.raises(DataError, match=r"data.system_prompt_file\): cannot be read"):
+        PromptFormat.from_files(None, True, str(tmp_path / "missing.txt"))
+    with pytest.raises(ConfigError, match="data.system_prompt_file needs data.apply_chat_template=true"):
+        load_config(ActorConfig, None, ["data.system_prompt_file=x.txt"])
 
 
 def test_prompt_sampler_walks_shuffled_epochs():

@@ -294,16 +294,46 @@ def test_a_policy_tokenizer_without_pad_or_eos_is_refused_at_start(embedded_asse
 
 
 def test_a_policy_tokenizer_without_eos_generates_to_max_new_tokens(embedded_assets, reward, tmp_path):
-    """No EOS token (a pad token only): no sample can end by EOS, so every response runs to max_new_tokens, and
-    the log says so once at start."""
+    """No EOS token (a pad token only, and none in the generation config): no sample can end by EOS, so every
+    response runs to max_new_tokens, and the log says so once at start."""
     model_dir = policy_with_tokens(embedded_assets, tmp_path / "no-eos", eos_token=None)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    del config["eos_token_id"]
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
     assert AutoTokenizer.from_pretrained(model_dir).eos_token_id is None
     run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", "checkpointing.save_period=0",
                     f"policy.model_name={model_dir}", f"reward.address={reward.address}", critic_dead())
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"the tokenizer of {model_dir} has no EOS token" in run.stderr
+    assert f"the tokenizer of {model_dir} has no EOS token, nor does the policy's generation config" in run.stderr
     [row] = metrics(tmp_path / "run")
     assert row["train_rollouts/response_lengths"] == 8 and row["train_rollouts/fraction_of_samples_properly_ended"] == 0
+
+
+def test_an_instruct_policy_gets_chat_prompts_and_stops_at_its_generation_config_eos(embedded_assets, reward,
+                                                                                      tmp_path):
+    """A chat policy: its tokenizer has a chat template, and its generation config lists end-of-turn tokens besides
+    the tokenizer's EOS (here every token but pad, so each response is one token that ends it properly). With
+    data.apply_chat_template and a system prompt file, every prompt is the rendered conversation."""
+    model_dir = policy_with_tokens(embedded_assets, tmp_path / "instruct")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant> {% endif %}")
+    tokenizer.save_pretrained(model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    config["eos_token_id"] = [i for i in range(len(tokenizer)) if i != tokenizer.pad_token_id]
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
+    (tmp_path / "system.txt").write_text("be kind")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "river castle =>"}\n' * 4)
+    run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", "checkpointing.save_period=0",
+                    f"policy.model_name={model_dir}", f"reward.address={reward.address}", critic_dead(),
+                    f"data.train_file={tmp_path / 'prompts.jsonl'}", "data.apply_chat_template=true",
+                    f"data.system_prompt_file={tmp_path / 'system.txt'}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rendered = tokenizer("<system> be kind\n<user> river castle =>\n<assistant> ", add_special_tokens=False)
+    [row] = metrics(tmp_path / "run")
+    assert row["train_rollouts/prompt_lengths"] == len(rendered["input_ids"])
+    assert row["train_rollouts/response_lengths"] == 1
+    assert row["train_rollouts/fraction_of_samples_properly_ended"] == 1
 
 
 def test_an_actor_run_with_lora_checkpoints_and_resumes_exactly(reward, tmp_path):
