@@ -113,7 +113,8 @@ class CriticCore:
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)
-            self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype]).to(self.device).eval()
+            self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype],
+                                                     trained_head=True).to(self.device).eval()
             self.reward_model.requires_grad_(False)
             if vocab_sha256(load_tokenizer(rm_path)) != self.vocab_sha256:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")

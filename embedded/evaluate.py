@@ -108,7 +108,7 @@ def reward_model_mae(reward_model: PreTrainedModel, samples: list[Sample]) -> fl
 
 def reward_model_report(reward_model_dir: str | Path, seed: int = 0, n: int = 512) -> dict[str, float]:
     """MAE per held-out set of `eval_sets`, plus `all` (over every sample of every set)."""
-    model = load_scalar_head_model(str(reward_model_dir)).eval()
+    model = load_scalar_head_model(str(reward_model_dir), trained_head=True).eval()
     sets = eval_sets(seed, n)
     report = {name: reward_model_mae(model, samples) for name, samples in sets.items()}
     report["all"] = reward_model_mae(model, [s for samples in sets.values() for s in samples])

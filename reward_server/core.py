@@ -77,7 +77,7 @@ class RewardCore:
         torch.manual_seed(cfg.seed)
         if cfg.scorer is None:
             path = resolve_model(cfg.model)
-            self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype]).to(self.device).eval()
+            self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True).to(self.device).eval()
             self.model.requires_grad_(False)
             self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path)

@@ -38,9 +38,11 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, trained_head: bool = False
+                           ) -> PreTrainedModel:
     """Load a Hugging Face checkpoint with a one-output `score` head. A causal-LM checkpoint (e.g. the
-    policy) gets a freshly initialised head, which is how a critic is initialised from the policy. Model types
+    policy) gets a freshly initialised head, which is how a critic is initialised from the policy; with
+    `trained_head` (a reward model) a checkpoint without the head's weights is refused instead. Model types
     without a sequence-classification class in transformers get one built from their base model
     (`scalar_head_class`). A checkpoint that leaves the whole body uninitialised is refused."""
     cls = scalar_head_class(AutoConfig.from_pretrained(path))
@@ -55,6 +57,10 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32) -> Pre
     if body and set(body) <= set(info["missing_keys"]):
         raise ValueError(f"{path} has no weights for the body of {type(model).__name__} (expected keys like "
                          f"{body[0]!r}): it is not a checkpoint of this model type")
+    if trained_head and head & set(info["missing_keys"]):
+        raise ValueError(f"{path} has no weights for the reward head ({', '.join(sorted(head))}): it is not a reward "
+                         f"model (a causal LM or a base model would score with a random head); a reward model is a "
+                         f"sequence-classification checkpoint with one label")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model

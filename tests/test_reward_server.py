@@ -335,7 +335,9 @@ def test_random_bytes_get_an_error_and_leave_the_server_serving(server, stub, to
     assert torch.equal(before, after)
 
 
-def test_ops_endpoints(server):
+def test_ops_endpoints(server, stub, tokenizer):
+    stub.Score(token_request(tokenizer, make_samples(seed=4, n=1)))  # one good and one bad call of its own
+    assert httpx.post(f"{server.http}/get_reward", json={"query": []}, timeout=30).status_code == 422
     assert httpx.get(f"{server.http}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.http}/ready").status_code == 200
     metrics = httpx.get(f"{server.http}/metrics").text
@@ -408,6 +410,19 @@ def test_unknown_scorer_exits_2_listing_the_scorers(embedded_cache):
     assert "scorer" in proc.stderr and "nonsense" in proc.stderr
     for name in SCORERS:
         assert name in proc.stderr, name
+
+
+@pytest.mark.parametrize("service, flag", [("reward_server", "--model"), ("critic_server", "--reward-model")])
+def test_a_model_without_a_trained_reward_head_is_refused_at_start(embedded_assets, tmp_path, service, flag):
+    """A causal LM (here the embedded policy) given as the reward model would score with a randomly initialised head:
+    both servers that score stop at start, naming the checkpoint, instead of serving random rewards."""
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt")] if service == "critic_server" else []
+    proc = subprocess.run([sys.executable, "-m", service, "--port", "0", "--http-port", "0", flag,
+                           str(embedded_assets.policy), *checkpoints],
+                          cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"{embedded_assets.policy} has no weights for the reward head (score.weight): it is not a reward model" \
+        in proc.stderr
 
 
 # --- OpenRLHF's remote reward client ------------------------------------------------------------
