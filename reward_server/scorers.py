@@ -6,8 +6,10 @@ goes into the reward server's config reference.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 from embedded.task import negative_fraction, positive_fraction, response_words
 
@@ -26,6 +28,73 @@ def exact_match(response: str, label: str | None) -> float:
     """1.0 if the response equals the reference answer (both stripped of surrounding whitespace), else 0.0."""
     assert label is not None
     return float(response.strip() == label.strip())
+
+
+def math_answer(response: str, label: str | None) -> float:
+    """1.0 if the response's final answer equals the reference answer's, else 0.0 (see `final_answer`; numbers
+    compare by value, anything else as text without spaces)."""
+    assert label is not None
+    got, want = final_answer(response, last_number=True), final_answer(label, last_number=False)
+    if got is None or want is None:
+        return 0.0
+    a, b = as_number(got), as_number(want)
+    if a is not None and b is not None:
+        return float(a == b)
+    return float(_squeeze(got) == _squeeze(want))
+
+
+def final_answer(text: str, *, last_number: bool) -> str | None:
+    """The answer a text ends with: the content of its last \\boxed{...} (or \\fbox{...}), else what follows its
+    last '####' (GSM8K's answer line), else with `last_number` its last number (a reference answer without either
+    marker is the answer whole). None when there is none."""
+    boxed = _last_braced(text, ("\\boxed", "\\fbox"))
+    if boxed is not None:
+        return boxed.strip()
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        return tail.splitlines()[0].strip() if tail else None
+    if last_number:
+        numbers = _NUMBER.findall(text)
+        return numbers[-1] if numbers else None
+    return text.strip() or None
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
+
+
+def as_number(text: str) -> Fraction | None:
+    """`text` as an exact number: integers, decimals, a/b, \\frac{a}{b}, with thousands separators, a leading $ or
+    a trailing % / . / unit-less TeX spacing dropped; None when it is not one."""
+    t = text.strip().strip("$").replace("\\!", "").replace("\\,", "").replace(" ", "")
+    t = t.removesuffix("\\%").removesuffix("%").rstrip(".")
+    frac = _FRAC.match(t)
+    if frac:
+        t = f"{frac.group(1)}{frac.group(2)}/{frac.group(3)}"
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", t):
+        t = t.replace(",", "")
+    try:
+        return Fraction(t)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _last_braced(text: str, commands: tuple[str, ...]) -> str | None:
+    """The brace-balanced argument of the last of `commands` in `text` (None if absent or unclosed)."""
+    starts = [text.rfind(c + "{") + len(c) for c in commands if c + "{" in text]  # where each last one's { is
+    if not starts:
+        return None
+    start = max(starts)
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1: i]
+    return None
+
+
+def _squeeze(text: str) -> str:
+    return re.sub(r"\s+", "", text.strip().strip("$")).removeprefix("\\text{").removesuffix("}")
 
 
 def no_negative(response: str, label: str | None = None) -> float:
@@ -50,6 +119,13 @@ SCORERS: dict[str, RuleScorer] = {
         exact_match,
         "1.0 when the response equals the label, both stripped of surrounding whitespace, else 0.0; requests "
         "must carry labels",
+        needs_labels=True,
+    ),
+    "math_answer": RuleScorer(
+        math_answer,
+        "1.0 when the response's final answer (its last \\boxed{...}, else what follows its last ####, else its last "
+        "number) equals the label's (its \\boxed{...} or #### answer, else the whole label), numbers compared by "
+        "value (1,000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2}, $ and % dropped), else 0.0; requests must carry labels",
         needs_labels=True,
     ),
 }

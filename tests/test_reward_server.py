@@ -19,7 +19,7 @@ from embedded import resolve_model, task
 from ppo_services.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from reward_server.config import RewardConfig
 from reward_server.core import RewardCore
-from reward_server.scorers import SCORERS, no_negative
+from reward_server.scorers import SCORERS, math_answer, no_negative
 from serving.codec import decode, encode
 from serving.errors import InvalidArgument
 from serving.modeling import (
@@ -472,6 +472,33 @@ def test_exact_match_compares_a_label_that_is_no_string_as_its_json_text(exact_s
     ]
     out = openrlhf_rewards(f"{exact_server.http}/get_reward", [prompt + r for r, _, _ in cases],
                            [prompt] * len(cases), [label for _, label, _ in cases])
+    assert out["rewards"] == [reward for _, _, reward in cases]
+
+
+MATH_CASES = [  # (response, label, reward): the response's final answer against the label's
+    ("so the answer is \\boxed{42}.", "42", 1.0), ("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("3/4", "\\frac{3}{4}", 1.0),
+    ("It is 1,000 apples", "1000", 1.0), ("first 3, then 7", "7", 1.0), ("first 7, then 3", "7", 0.0),
+    ("She sold 48 + 24 = 72 clips.\n#### 72", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),
+    ("\\boxed{x + 1}", "x+1", 1.0), ("\\boxed{x+1}", "x+2", 0.0), ("no number here", "5", 0.0),
+    ("answer: $18.", "18", 1.0), ("50%", "50", 1.0), ("\\boxed{\\text{B}}", "B", 1.0), ("\\boxed{2}", "\\boxed{2.0}", 1.0),
+    ("-3", "-3", 1.0), ("the value is .5", "1/2", 1.0), ("1/0", "1", 0.0), ("\\boxed{5", "5", 1.0), ("", "5", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, label, reward", MATH_CASES)
+def test_math_answer_compares_final_answers(response, label, reward):
+    assert math_answer(response, label) == reward
+
+
+def test_a_math_answer_server_scores_gsm8k_style_answers_over_openrlhf_s_protocol(embedded_cache, log_dir):
+    """Labels as a dataset gives them (a number, or GSM8K's worked answer ending in '#### N')."""
+    prompt = "Q: Natalia sold clips to 48 friends in April, and half as many in May. How many in all? A:"
+    cases = [(" 48 + 24 = 72. #### 72", "Natalia sold 48/2 = 24 clips in May. #### 72", 1.0),
+             (" The total is \\boxed{72}.", 72, 1.0), (" It is 70, no, 71", 72, 0.0), (" 72.0", "72", 1.0)]
+    with ServiceProcess("reward", "--scorer", "math_answer", log_dir=log_dir,
+                        env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
+        out = openrlhf_rewards(f"{server.http}/get_reward", [prompt + r for r, _, _ in cases], [prompt] * len(cases),
+                               [label for _, label, _ in cases])
     assert out["rewards"] == [reward for _, _, reward in cases]
 
 
