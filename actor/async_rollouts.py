@@ -268,7 +268,8 @@ class AsyncRollouts:
         self.pad_id, self.generation_batch_size, self.timers = pad_id, generation_batch_size, timers
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.backend = TorchGenerationBackend(self.model, pad_id, device, tokenizer=collector.backend.tokenizer,
-                                              compile_decode=compile_decode)
+                                              compile_decode=compile_decode,
+                                              compute_dtype=collector.backend.compute_dtype)
         # the worker generates as the trainer's collector does (episodes too, with an environment), with its own
         # model and its own timers (the trainer's belong to its step)
         worker_collector = copy.copy(collector)

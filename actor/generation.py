@@ -328,7 +328,7 @@ class TorchGenerationBackend:
 
     def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device, *, kv_cache: str = "auto",
                  compact_below: float = 0.75, tokenizer: PreTrainedTokenizerBase | None = None,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, compute_dtype: torch.dtype = torch.float32):
         if kv_cache not in ("auto", "dynamic"):
             raise ValueError(f"kv_cache must be 'auto' or 'dynamic', got {kv_cache!r}")
         if not 0.0 <= compact_below <= 1.0:
@@ -339,6 +339,8 @@ class TorchGenerationBackend:
         self.kv_cache = kv_cache
         self.compact_below = compact_below
         self.tokenizer = tokenizer  # decodes the newest tokens when stop strings are set
+        # other than float32: every forward under torch.autocast in this dtype (mixed precision; the cache holds it)
+        self.compute_dtype = compute_dtype
         # the decode step through torch.compile on the pre-allocated cache, for batches of 2 rows or more (dynamo
         # compiles a dimension of size 1 apart: a lone row runs eager); prefill and DynamicCache stay eager
         self.compiled_step = None
@@ -390,24 +392,27 @@ class TorchGenerationBackend:
 
         was_training = self.model.training
         self.model.eval()
+        autocast = torch.autocast(self.device.type, dtype=self.compute_dtype,
+                                  enabled=self.compute_dtype != torch.float32)
         try:
-            cache = None
-            if self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:
-                cache = preallocated_cache_for(self.model, p_max + params.max_new_tokens)
-            out = None
-            if cache is not None:
-                try:
+            with autocast:
+                cache = None
+                if self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:
+                    cache = preallocated_cache_for(self.model, p_max + params.max_new_tokens)
+                out = None
+                if cache is not None:
+                    try:
+                        out = self._decode(ids, attn, params, seed, cache)
+                    except _CacheNotUsed as e:
+                        self._no_preallocated.add(type(self.model))
+                        log.warning("%s cannot use the pre-allocated KV cache (%s); generating with DynamicCache",
+                                    type(self.model).__name__, e.__cause__ or "the cache was not filled")
+                if out is None:
+                    try:
+                        cache = DynamicCache(config=self.model.config)
+                    except (AttributeError, KeyError, TypeError, ValueError):
+                        cache = DynamicCache()
                     out = self._decode(ids, attn, params, seed, cache)
-                except _CacheNotUsed as e:
-                    self._no_preallocated.add(type(self.model))
-                    log.warning("%s cannot use the pre-allocated KV cache (%s); generating with DynamicCache",
-                                type(self.model).__name__, e.__cause__ or "the cache was not filled")
-            if out is None:
-                try:
-                    cache = DynamicCache(config=self.model.config)
-                except (AttributeError, KeyError, TypeError, ValueError):
-                    cache = DynamicCache()
-                out = self._decode(ids, attn, params, seed, cache)
         finally:
             self.model.train(was_training)
 

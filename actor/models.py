@@ -203,7 +203,8 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
                 with_reference: bool = True) -> PolicyModels:
     """The policy from cfg.model_name, or from `checkpoint`/actor when resuming (with LoRA: the base model plus the
     saved adapter, trainable), frozen or adapted as configured, on `device`; and the reference policy unless
-    `with_reference` is false."""
+    `with_reference` is false. `dtype` is the passes' compute dtype: the trained weights are float32 whatever it is,
+    the reference and a LoRA base (never trained) are held in it."""
     saved = checkpoint / "actor" if checkpoint is not None else None
     holds_adapter = saved is not None and (saved / ADAPTER_CONFIG).is_file()
     if saved is not None and holds_adapter != (cfg.lora is not None):
@@ -211,7 +212,9 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
                           f"policy.lora is {'null' if cfg.lora is None else 'set'}: resume with the policy.lora the "
                           "run was started with, or checkpointing.resume=never")
     base_path = resolve_model(cfg.model_name) if saved is None or holds_adapter else str(saved)
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    # trained weights stay float32 (the passes run in `dtype` under autocast: mixed precision); LoRA's frozen base
+    # is held in `dtype`, its adapters in float32 (peft's default)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype if cfg.lora is not None else torch.float32)
     adapted = None
     if cfg.lora is not None:
         adapted = (PeftModel.from_pretrained(model, str(saved), is_trainable=True) if holds_adapter

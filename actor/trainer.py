@@ -38,6 +38,7 @@ from serving.modeling import (
     compiled,
     length_buckets,
     max_length_of,
+    mixed_precision,
     resolve_device,
     torch_threads,
 )
@@ -100,10 +101,12 @@ class PPOTrainer:
         self.policy, self.reference = self.models.policy, self.models.reference
         # every pass over whole sequences (training, log-probs) goes through this; generation's decode step has its
         # own switch (policy.generation.compile)
-        self.logits = compiled(causal_lm_logits, pol.compile, "policy.compile", self.device)
+        # (policy.precision=bfloat16: under autocast, the float32 weights computing in bf16)
+        self.logits = mixed_precision(compiled(causal_lm_logits, pol.compile, "policy.compile", self.device),
+                                      self.device, dtype)
         # made before the servers are waited for, so policy.generation.compile without a compiler is refused at once
         backend = TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
-                                         compile_decode=gen.compile)
+                                         compile_decode=gen.compile, compute_dtype=dtype)
         if not p.async_grpo.enabled:  # compiled now, while the servers may still be starting (the async worker's
             backend.warm_up()         # own backend compiles on its first rollout, in its thread)
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
@@ -170,7 +173,8 @@ class PPOTrainer:
         n_tokens_seen, ratio_min, ratio_max = 0.0, float("inf"), float("-inf")
         loss_sum, grad_norm_sum, n_steps = 0.0, 0.0, 0
         max_norm = pol.max_grad_norm if pol.max_grad_norm > 0 else float("inf")
-        # The policy stays in eval mode: no dropout, so the first epoch's ratio is exactly 1 (NeMo-Aligner too).
+        # The policy stays in eval mode: no dropout, so the first epoch's ratio is 1 (NeMo-Aligner too; in
+        # float32 up to rounding, in bf16 within its rounding, since the log-prob and training passes batch rows apart).
         for _ in range(self.cfg.ppo.ppo_epochs):
             order = self._group_order(batch.group_ids)
             for g in range(0, len(order), pol.train_global_batch_size):
@@ -370,8 +374,8 @@ class PPOTrainer:
         self.sampler.load_state_dict(rng["sampler"])
         self.shuffle_gen.set_state(rng["shuffle"])
         torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        if rng["cuda"] and torch.cuda.is_available():  # a machine with fewer GPUs restores those it has
+            torch.cuda.set_rng_state_all(rng["cuda"][: torch.cuda.device_count()])
         random.setstate((3, tuple(state["python_random"]), None))
         self.kl_coef, self.collector.next_group = state["kl_coef"], state["next_group"]
         if self.critic is not None:

@@ -20,10 +20,10 @@ per epoch * epochs, policy and value, attention's own FLOPs not counted) / train
 matmul peak at 2 threads (the best of a 2048^3 torch.mm, measured in the same run, before and after the
 workload). Nothing is downloaded: the models are built locally and cached in .cache/bench/.
 
-On a GPU (`--device cuda --precision bfloat16`): both sides load every model in bfloat16 on the one GPU (ours: the
-actor, the critic server and the reward server all on cuda:0; TRL with use_cpu off), and train the bf16 weights
-directly (TRL's bf16 autocast stays off, as ours has none), so both do the same work in the same precision; the peak
-is then the bf16 torch.mm peak of that GPU. The CUDA path has not been run where this was written (no GPU); the
+On a GPU (`--device cuda --precision bfloat16`): both sides run bf16 mixed precision on the one GPU (ours: the actor,
+the critic server and the reward server all on cuda:0; TRL with use_cpu off and its bf16=True): the trained policy
+and value model keep float32 weights and compute in bf16 under autocast, the reference and reward models are held
+in bf16, so both do the same work in the same precision; the peak is then the bf16 torch.mm peak of that GPU. The CUDA path has not been run where this was written (no GPU); the
 suite runs the bf16 path on the CPU at --tiny size.
 
 Choices, with what was measured on the 2-core machine this was written on (medians of 3 steps):
@@ -390,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                         "dropped like every warm-up step. TRL's side runs as it ships (eager)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: every "
                         "model of both on the one GPU, cuda:0)")
-    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="both sides' weights "
-                        "and training precision (bfloat16: the weights trained in bf16 on both sides, no autocast)")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="both sides' compute "
+                        "precision (bfloat16: mixed precision on both sides, float32 trained weights under bf16 autocast)")
     parser.add_argument("--json", default=None, help="also write every measurement to this file")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (1 if args.tiny else 2)

@@ -8,8 +8,10 @@ How TRL is set up (every choice made so that one TRL step is the same work as on
   micro_batch, num_mini_batches = 1, so each PPO epoch is one optimizer step over the whole batch (ours:
   train_global_batch_size = batch), micro-batched alike; num_ppo_epochs = epochs; total_episodes = steps * batch.
 - fp32 on the CPU by default (use_cpu, bf16 and fp16 off: PPOConfig's default is bf16), torch threads = --threads;
-  with --device cuda use_cpu is off, and with --precision bfloat16 every model is loaded in bf16 and its bf16
-  weights are trained directly (bf16 autocast stays off), as ours does with policy.precision=bfloat16.
+  with --device cuda use_cpu is off, and with --precision bfloat16 TRL's own mixed precision is on (bf16=True:
+  the policy and value model keep float32 weights and run under accelerate's bf16 autocast, TRL's generation
+  included as it ships) and the reference and reward models, never trained, are loaded in bf16: as ours does with
+  policy.precision=bfloat16 and the servers' dtype=bfloat16.
 - gradient_checkpointing off (PPOConfig's default is on): it recomputes the forward pass to save memory, which
   this machine does not need; left on it would cost TRL about a third more training time.
 - local_rollout_forward_batch_size = --rollout-batch (default: the whole batch, TRL's own default of 64), so
@@ -79,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[: max(args.batch * args.steps, args.batch)]]
     dataset = Dataset.from_dict({"input_ids": ids})
 
-    def load_lm():
-        return AutoModelForCausalLM.from_pretrained(assets.policy, dtype=dtype)
+    def load_lm(trained: bool):
+        return AutoModelForCausalLM.from_pretrained(assets.policy, dtype=torch.float32 if trained else dtype)
 
-    def load_scalar(path):
-        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    def load_scalar(path, trained: bool):
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
+                                                                  dtype=torch.float32 if trained else dtype)
 
     marks: dict[str, list[float]] = {"step_end": [], "gen_start": [], "gen_end": [], "train_start": []}
     in_step = {"training": False}
@@ -136,18 +139,20 @@ def main(argv: list[str] | None = None) -> int:
             num_ppo_epochs=args.epochs, total_episodes=args.steps * args.batch,
             local_rollout_forward_batch_size=args.rollout_batch or args.batch, response_length=args.response_length,
             stop_token="eos" if args.stop_eos else None, missing_eos_penalty=None, temperature=1.0,
-            learning_rate=args.lr, seed=args.seed, use_cpu=args.device == "cpu", bf16=False, fp16=False,
+            learning_rate=args.lr, seed=args.seed, use_cpu=args.device == "cpu", bf16=args.precision == "bfloat16",
+            fp16=False,
             gradient_checkpointing=False, num_sample_generations=0, report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         )
         trainer = PPOTrainer(
-            args=config, processing_class=tokenizer, model=load_lm(), ref_model=load_lm(),
-            reward_model=load_scalar(assets.reward), value_model=load_scalar(assets.value),
+            args=config, processing_class=tokenizer, model=load_lm(trained=True), ref_model=load_lm(trained=False),
+            reward_model=load_scalar(assets.reward, trained=False), value_model=load_scalar(assets.value, trained=True),
             train_dataset=dataset, eval_dataset=dataset.select(range(args.batch)), callbacks=[Stamps()],
         )
         trainer.train()
         weights = next(trainer.model.parameters())
-        weights = f"{str(weights.dtype).removeprefix('torch.')} on {weights.device}"
+        weights = (f"{str(weights.dtype).removeprefix('torch.')} on {weights.device}"
+                   f"{', bf16 mixed precision' if config.bf16 else ''}")
 
     ends = [marks["train_begin"][0], *marks["step_end"]]
     steps = []

@@ -42,7 +42,7 @@ class CriticConfig(ServerConfig):
     reward_model: str | None = Field(
         None, description="Combined mode: also serve this reward model; Infer then returns rewards as well."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype: bfloat16 or float16 run Infer and Train under torch.autocast with float32 critic weights, which the optimizer updates (mixed precision; float16 without loss scaling, so prefer bfloat16); a combined reward model (--reward-model) is held in it.")
     checkpoint_dir: str = Field(
         "checkpoints/critic", description="Where Save and autosave write <checkpoint_dir>/<tag>; what `resume` reads."
     )

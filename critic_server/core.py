@@ -30,6 +30,7 @@ from serving.modeling import (
     load_tokenizer,
     max_length_before_loading,
     max_length_of,
+    mixed_precision,
     pad_and_stack,
     per_token_scores,
     resolve_device,
@@ -98,7 +99,8 @@ class CriticCore:
             path = resolve_model(cfg.model)
             log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
                      cfg.checkpoint_dir)
-        self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype]).to(self.device)
+        # float32 weights, which the optimizer updates; its passes compute in `dtype` under autocast (mixed precision)
+        self.model = load_scalar_head_model(path, torch.float32).to(self.device)
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_length = max_length_of(self.model)
@@ -109,7 +111,8 @@ class CriticCore:
             log.info("resumed critic optimizer state at train step %d from %s (%d Train request ids remembered)",
                      self.train_step, path, len(self.window))
         self.model.eval()
-        self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
+        self.scores = mixed_precision(compiled(per_token_scores, cfg.compile, "compile", self.device), self.device,
+                                      TORCH_DTYPES[cfg.dtype])
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)
@@ -361,7 +364,7 @@ class CriticCore:
         path = checkpoint_path(Path(self.cfg.checkpoint_dir), tag)
         if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
             raise NotFound(f"tag: no checkpoint of this critic at {path}")
-        saved = load_scalar_head_model(str(path), TORCH_DTYPES[self.cfg.dtype])
+        saved = load_scalar_head_model(str(path), torch.float32)
         self.model.load_state_dict(saved.state_dict())
         self._load_training_state(path)
         self.source, self.unsaved = str(path.resolve()), False

@@ -212,6 +212,20 @@ def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> Mo
     return pass_
 
 
+def mixed_precision(pass_: ModelPass, device: torch.device, dtype: torch.dtype) -> ModelPass:
+    """`pass_` with its forward under `torch.autocast(dtype)`: float32 weights (what the optimizer updates), matmuls
+    and attention in `dtype`, as NeMo-RL's and TRL's bf16 training run; `pass_` itself for float32. A backward of its
+    output runs outside the autocast region, as autocast asks."""
+    if dtype == torch.float32:
+        return pass_
+
+    def pass_in_dtype(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype):
+            return pass_(model, tokens, lengths)
+
+    return pass_in_dtype
+
+
 def warm_up(pass_: ModelPass, models: list[PreTrainedModel], device: torch.device, *,
             train: PreTrainedModel | None = None) -> float:
     """Run `pass_` once over a 2-row dummy batch (one row padded) so a compiled pass compiles now, at load, instead

@@ -772,3 +772,24 @@ def test_a_checkpoint_whose_body_matches_nothing_is_refused_at_start(embedded_as
     assert done.returncode == 1
     assert "has no weights for the body of LlamaForSequenceClassification" in done.stderr
     assert str(tmp_path / "renamed") in done.stderr
+
+
+def test_a_bf16_critic_trains_float32_weights_under_autocast(embedded_assets, log_dir, tmp_path):
+    """dtype=bfloat16 is mixed precision: Infer and Train compute in bf16 while the optimizer updates float32
+    weights, so one Train at a small learning rate moves nearly every weight, and its checkpoint is float32."""
+    from safetensors.torch import load_file
+
+    with ServiceProcess("critic", "dtype=bfloat16", "train.lr=1e-6", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        log_dir=log_dir) as server:
+        ch = channel(server.address)
+        bf16 = critic_pb2_grpc.CriticServiceStub(ch)
+        values = infer(bf16, *batch(61))
+        reply = _train_with(bf16, _train_inputs(62))
+        saved = bf16.Save(critic_pb2.SaveRequest(tag="bf16"), timeout=120).path
+        ch.close()
+    assert values.dtype == torch.float32 and torch.isfinite(values).all() and reply.loss > 0
+    before = load_file(embedded_assets.reward_model / "model.safetensors")
+    after = load_file(Path(saved) / "model.safetensors")
+    assert {t.dtype for t in after.values()} == {torch.float32}
+    moved = sum(int((after[k] != before[k]).sum()) for k in before) / sum(t.numel() for t in before.values())
+    assert moved > 0.9, moved

@@ -336,6 +336,23 @@ def test_an_instruct_policy_gets_chat_prompts_and_stops_at_its_generation_config
     assert row["train_rollouts/fraction_of_samples_properly_ended"] == 1
 
 
+def test_a_bf16_policy_trains_float32_weights_under_autocast(embedded_assets, reward, tmp_path):
+    """policy.precision=bfloat16 is mixed precision: generation and every pass compute in bf16, while the optimizer
+    updates float32 weights, so a step at a small learning rate moves nearly every weight (in bf16 weights nearly
+    every such update would round away: an Adam step of 1e-6 is far below bf16's resolution at these magnitudes)."""
+    run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", f"reward.address={reward.address}",
+                    critic_dead(), "policy.precision=bfloat16", "policy.optimizer.kwargs.lr=1e-6")
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = metrics(tmp_path / "run")
+    assert all(v is not None for v in row.values()), row
+    before = load_file(embedded_assets.policy / "model.safetensors")
+    after = load_file(tmp_path / "run" / "checkpoints" / "step_1" / "actor" / "model.safetensors")
+    assert {t.dtype for t in after.values()} == {torch.float32}
+    moved = sum(int((after[k] != before[k]).sum()) for k in before) / sum(t.numel() for t in before.values())
+    assert moved > 0.9, moved
+    assert all((after[k].bfloat16() == before[k].bfloat16()).float().mean() > 0.5 for k in before if before[k].dim() > 1)
+
+
 def test_an_actor_run_with_lora_checkpoints_and_resumes_exactly(reward, tmp_path):
     """Two steps, a checkpoint after each; the second is deleted and the same command resumes from the first: its
     step 2 equals the uninterrupted run's."""
