@@ -172,7 +172,8 @@ ModelPass = Callable[[PreTrainedModel, torch.Tensor, torch.Tensor], torch.Tensor
 
 def require_compiler(key: str, device: torch.device) -> None:
     """Refuse `key=true` (CompileUnavailable) where torch.compile cannot build kernels: on the CPU inductor builds
-    C++ kernels, so a machine without a C++ compiler is refused at start rather than at the first pass."""
+    C++ kernels, on a GPU Triton kernels, so a machine without a C++ compiler, or without Triton or a GPU it
+    supports, is refused at start rather than at the first pass."""
     if device.type == "cpu":
         from torch._inductor import cpp_builder
 
@@ -182,6 +183,13 @@ def require_compiler(key: str, device: torch.device) -> None:
             raise CompileUnavailable(f"{key}=true: torch.compile on the CPU builds C++ kernels, and no C++ compiler was "
                                      f"found ({type(e).__name__}; install g++ or clang++, or set $CXX), or set "
                                      f"{key}=false") from None
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise CompileUnavailable(f"{key}=true: torch.compile on {device} builds Triton kernels, and Triton cannot run "
+                                     f"here (the triton package is missing, or the GPU is older than compute capability "
+                                     f"7.0, or no GPU is visible), or set {key}=false")
 
 
 def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> ModelPass:

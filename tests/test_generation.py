@@ -238,6 +238,16 @@ def test_a_compiled_decode_step_without_a_cxx_compiler_is_refused_naming_its_key
     assert inductor_config.cpp.cxx != missing
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where Triton cannot run on a GPU")
+def test_a_compiled_pass_on_cuda_without_triton_is_refused_naming_its_key():
+    """Asked for on a CUDA device where Triton cannot build kernels (here: no GPU at all), compile is refused at
+    start naming the key, as the CPU's missing compiler is, not at the first pass."""
+    from serving.modeling import CompileUnavailable, require_compiler
+
+    with pytest.raises(CompileUnavailable, match=r"^compile=true: torch.compile on cuda builds Triton kernels"):
+        require_compiler("compile", torch.device("cuda"))
+
+
 def test_gpt2_runs_on_the_preallocated_cache():
     model, prompts = tiny_model("gpt2"), tiny_prompts()
     backend = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
