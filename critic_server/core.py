@@ -136,7 +136,7 @@ class CriticCore:
     def _load_training_state(self, path: Path) -> None:
         """Optimizer moments, train step and request-id window of checkpoint `path` (at start-up and on Load);
         the configured learning rate and weight decay win over the saved ones."""
-        self.optimizer.load_state_dict(load_optimizer_state(path / OPTIMIZER_FILE, self.device))
+        self.optimizer.load_state_dict(load_optimizer_state(path / OPTIMIZER_FILE))
         for group in self.optimizer.param_groups:
             group.update(lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
         state = json.loads((path / STATE_FILE).read_text())
@@ -427,11 +427,13 @@ def _saved_at(directory: Path) -> float | None:
     return float(saved_at) if ok else None
 
 
-def load_optimizer_state(file: Path, device: torch.device) -> dict:
-    """An optimizer state_dict saved by Save. Loaded with weights_only=True (explicitly, whatever torch's
-    default): tensors, numbers and containers only, so a crafted file cannot run code while unpickling."""
+def load_optimizer_state(file: Path) -> dict:
+    """An optimizer state_dict saved by Save, on the CPU (`load_state_dict` moves each tensor to its parameter's
+    device, leaving AdamW's step counters on the CPU as it keeps them). Loaded with weights_only=True (explicitly,
+    whatever torch's default): tensors, numbers and containers only, so a crafted file cannot run code while
+    unpickling."""
     try:
-        return torch.load(file, map_location=device, weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["refused"]
         reason = next((line for line in lines if "Unsupported global" in line), lines[0])  # torch's is a page long
