@@ -1,7 +1,7 @@
 """Rollout generation speed: the actor's PyTorch backend (`actor.generation.TorchGenerationBackend`) against
 transformers' `generate()` on the same model, batch and sampling, in alternating rounds.
 
-    python -m bench.generation [--rounds 3] [--settings fixed,eos] [--compile] [--quick]
+    python -m bench.generation [--rounds 3] [--settings fixed,eos] [--compile] [--quick] [--profile]
         [--device cpu|cuda] [--precision float32|bfloat16]
 
 The model is a Llama built locally from a fixed seed (no downloads): hidden 256, 6 layers, 8 heads, intermediate
@@ -105,8 +105,55 @@ def run_hf(model: PreTrainedModel, prompts: torch.Tensor, n: int, eos: int | Non
     return time.perf_counter() - start, valid_tokens(out[:, prompts.shape[1]:], eos)
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def profile_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int, eos: int | None, size: Size) -> None:
+    """Where one of our generations spends its time, per decode step: the profiler's self CPU time of the matmuls,
+    the attention kernels, the compiled graph's fused kernels and everything else. Without a stop token, also the rate
+    at which attention reads the KV cache (every layer's keys and values up to each step's length) against a plain
+    streaming read of 256 MiB (`sum`) on the same threads: the memory bandwidth that bounds it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds, _ = run_ours(backend, prompts, n, eos, seed=20_000)
+    steps = max(backend.last_stats.decode_steps, 1)
+    ms = {"matmul": 0.0, "attention": 0.0, "compiled graph's fused kernels": 0.0}
+    total = 0.0
+    for event in prof.key_averages():
+        t = event.self_cpu_time_total / 1e3
+        total += t
+        if event.key in MATMULS:
+            ms["matmul"] += t
+        elif "scaled_dot_product" in event.key:
+            ms["attention"] += t
+        elif event.key.startswith("## Call CompiledFxGraph"):
+            ms["compiled graph's fused kernels"] += t
+    ms["everything else (eager pointwise ops, sampling, Python, guards, cache writes)"] = total - sum(ms.values())
+    print(f"  profile of one generation of ours ({steps} decode steps, {seconds:.2f} s under the profiler), "
+          f"milliseconds per decode step (the prefill included):")
+    for what, t in ms.items():
+        print(f"    {what:<66} {t / steps:6.2f}  ({t / total:4.0%})")
+    if eos is None and ms["attention"] > 0:
+        itemsize = next(backend.model.parameters()).element_size()
+        per_position = size.layers * 2 * size.batch * size.hidden * itemsize  # K and V of every head
+        read = sum(per_position * (size.prompt_len + t + 1) for t in range(steps))
+        x = torch.ones(64 * 2**20)  # 256 MiB of float32
+        x.sum()
+        best = min(_timed(x.sum) for _ in range(10))
+        print(f"    attention reads the KV cache at {read / (ms['attention'] / 1e3) / 1e9:.1f} GB/s; a streaming read "
+              f"of 256 MiB runs at {x.numel() * 4 / best / 1e9:.1f} GB/s on {torch.get_num_threads()} threads")
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float,
-                  compile_decode: bool = False, device: str = "cpu", precision: str = "float32") -> list[float]:
+                  compile_decode: bool = False, device: str = "cpu", precision: str = "float32",
+                  profile: bool = False) -> list[float]:
     eos = None if name == "fixed" else EOS
     dev = torch.device(device)
     model = build_model(size, eos_bias if eos is not None else 0.0).to(dev, getattr(torch, precision))
@@ -132,6 +179,8 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
               f"{n_hf / size.batch:>8.1f}  {ratios[-1]:>5.2f}x  {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'med':>5}  {statistics.median(ours_tps):>10.0f}  {'':>8}  {statistics.median(hf_tps):>10.0f}  {'':>8}  "
           f"{statistics.median(ratios):>5.2f}x")
+    if profile:
+        profile_ours(backend, prompts, n, eos, size)
     return ratios
 
 
@@ -148,9 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch, one round: checks the bench runs")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides' device")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
+    parser.add_argument("--profile", action="store_true", help="after each setting's rounds, profile one more generation "
+                        "of ours and print where a decode step's time goes (CPU only)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    if args.profile and args.device != "cpu":
+        parser.error("--profile splits CPU time; on a GPU use a CUDA profiler")
     torch.set_num_threads(args.threads)
     size, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
     print(f"torch {torch.__version__}, {args.threads} threads, {len(os.sched_getaffinity(0))} cores")
@@ -159,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ("fixed", "eos"):
             parser.error(f"unknown setting {name!r}")
         medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below,
-                                                        args.compile, args.device, args.precision))
+                                                        args.compile, args.device, args.precision, args.profile))
     print("\nmedian speed-up (ours / transformers tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
     return 0
 

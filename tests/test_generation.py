@@ -298,7 +298,9 @@ def test_models_that_cannot_use_the_preallocated_cache_fall_back_to_dynamic_cach
 def test_generation_bench_runs(capsys, precision):
     from bench.generation import main
 
-    assert main(["--quick", "--threads", str(torch.get_num_threads()), "--precision", precision]) == 0
+    assert main(["--quick", "--threads", str(torch.get_num_threads()), "--precision", precision, "--profile"]) == 0
     out = capsys.readouterr().out
     assert "fixed:" in out and "eos:" in out and "median speed-up" in out
     assert out.count(f"{precision} on cpu") == 2
+    # the profile splits each setting's step; only the fixed setting (no rows leaving) has a KV read rate
+    assert out.count("milliseconds per decode step") == 2 and out.count("attention reads the KV cache at") == 1
