@@ -51,6 +51,7 @@ class RewardConfig(RemoteConfig):
         "share the policy's tokenizer), text (decoded prompt and response strings; for a reward model with its "
         "own tokenizer), auto (tokens when the server's vocabulary equals the policy's, else text).",
     )
+    skip_special_tokens: bool = Field(True, description="Texts sent (input: text, or source: openrlhf) are decoded without the policy tokenizer's special tokens; false keeps them, so a chat reward model sees the chat template's markup and the EOS token, as OpenRLHF sends texts to its remote reward models.")
     url: str | None = Field(None, description="source: openrlhf: the endpoint, e.g. http://rm-host:8002/get_reward.")
     retries: int = Field(3, ge=0, description="source: openrlhf: retries of a request that failed to connect.")
 

@@ -97,16 +97,19 @@ def first_groups(batch: RolloutBatch, n_groups: int) -> RolloutBatch:
     return batch.select(keep.nonzero().squeeze(1))
 
 
-def decoded_texts(tokenizer: PreTrainedTokenizerBase, r: Rollout) -> tuple[list[str], list[str]]:
-    """(prompt + response texts, prompt texts) of each row, special tokens skipped. Each text starts with its
-    prompt text: it is the decoded whole row when that begins with the decoded prompt, else the two joined."""
+def decoded_texts(tokenizer: PreTrainedTokenizerBase, r: Rollout,
+                  skip_special_tokens: bool = True) -> tuple[list[str], list[str]]:
+    """(prompt + response texts, prompt texts) of each row, special tokens skipped unless `skip_special_tokens` is
+    false (padding is never decoded: each row stops at its length). Each text starts with its prompt text: it is the
+    decoded whole row when that begins with the decoded prompt, else the two joined."""
     texts, prompts = [], []
+    skip = skip_special_tokens
     for i in range(r.tokens.shape[0]):
         p, n = int(r.prompt_lengths[i]), int(r.lengths[i])
-        prompt = tokenizer.decode(r.tokens[i, :p], skip_special_tokens=True)
-        whole = tokenizer.decode(r.tokens[i, :n], skip_special_tokens=True)
+        prompt = tokenizer.decode(r.tokens[i, :p], skip_special_tokens=skip)
+        whole = tokenizer.decode(r.tokens[i, :n], skip_special_tokens=skip)
         if not whole.startswith(prompt):
-            whole = prompt + tokenizer.decode(r.tokens[i, p:n], skip_special_tokens=True)
+            whole = prompt + tokenizer.decode(r.tokens[i, p:n], skip_special_tokens=skip)
         texts.append(whole)
         prompts.append(prompt)
     return texts, prompts
@@ -119,13 +122,14 @@ def token_scorer(client: RewardClient) -> ScoreFn:
     return score
 
 
-def text_scorer(client: RewardClient | OpenRLHFRewardClient, tokenizer: PreTrainedTokenizerBase) -> ScoreFn:
+def text_scorer(client: RewardClient | OpenRLHFRewardClient, tokenizer: PreTrainedTokenizerBase,
+                skip_special_tokens: bool = True) -> ScoreFn:
     """Decoded texts to a reward server with its own tokenizer; labels as strings for gRPC, as they are for
     OpenRLHF's JSON protocol."""
     as_text = isinstance(client, RewardClient)
 
     def score(r: Rollout, labels: list[Any] | None) -> Pending[Scores]:
-        texts, prompts = decoded_texts(tokenizer, r)
+        texts, prompts = decoded_texts(tokenizer, r, skip_special_tokens)
         if labels is not None and as_text:
             labels = [label_text(x) for x in labels]
         return client.score_texts(texts, prompts, labels)

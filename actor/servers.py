@@ -66,7 +66,7 @@ class Servers:
         if cfg.reward.source == "openrlhf":
             self.reward = OpenRLHFRewardClient(cfg.reward, self.token)
             log.info("rewards from %s (OpenRLHF protocol), texts%s", cfg.reward.url, " and labels" if labelled else "")
-            return text_scorer(self.reward, self.tokenizer)
+            return text_scorer(self.reward, self.tokenizer, cfg.reward.skip_special_tokens)
         self.reward = RewardClient(cfg.reward, self.token)
         info = self.reward.info()
         if info.needs_labels:
@@ -78,7 +78,7 @@ class Servers:
         if cfg.reward.input == "text" or (cfg.reward.input == "auto" and not same_vocab):
             log.info("reward server %s (%s) gets decoded texts%s", cfg.reward.address, info.model,
                      "" if same_vocab else ": its tokenizer differs from the policy's")
-            return text_scorer(self.reward, self.tokenizer)
+            return text_scorer(self.reward, self.tokenizer, cfg.reward.skip_special_tokens)
         check_compatible("rule" if info.kind == "rule" else "reward", info, sha, vocab, needed, why)
         return token_scorer(self.reward)
 

@@ -95,6 +95,14 @@ def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_cache, embedded_
         assert rewards.tolist() == [1.0, 0.0, 0.0]
         rewards, _ = text_scorer(client, tok)(rollout, ["good", "bad", {"not": "good"}]).result()
         assert rewards.tolist() == [1.0, 1.0, 0.0]
+        # a response that ended with EOS: its text has the EOS token only with reward.skip_special_tokens=false
+        ended = [prompt + good + [tok.eos_token_id]]
+        ended = Rollout(torch.tensor(ended), torch.tensor([len(ended[0])]), torch.tensor([len(prompt)]),
+                        torch.ones(1, dtype=torch.bool))
+        labels = ["good", f"good {tok.eos_token}"]
+        assert [text_scorer(client, tok)(ended, [x]).result()[0].item() for x in labels] == [1.0, 0.0]
+        assert [text_scorer(client, tok, skip_special_tokens=False)(ended, [x]).result()[0].item()
+                for x in labels] == [0.0, 1.0]
         client.close()
 
 
