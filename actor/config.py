@@ -117,7 +117,7 @@ class PolicyConfig(StrictModel):
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
     logprob_batch_size: int = Field(8, ge=1, description="Samples per forward pass when computing rollout and reference log-probs.")
     generation_batch_size: int = Field(8, ge=1, description="Samples per generation call; each batch's critic and reward requests go out as soon as it is generated.")
-    precision: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype: bfloat16 runs generation and every pass under torch.autocast with float32 policy weights, which the optimizer updates (mixed precision, as NeMo-RL's precision does: a bf16 weight would round away updates below its resolution); the reference and a LoRA base, never trained, are held in it.")
+    precision: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype: bfloat16 runs generation and every pass under torch.autocast with float32 policy weights, which the optimizer updates (mixed precision, as NeMo-RL's precision does: a bf16 weight would round away updates below its resolution); the reference is float32 too, so at the start both compute alike, and a LoRA base, never trained, is held in it.")
     max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
     num_layers_unfrozen: int = Field(-1, ge=-1, description="Train only the top N transformer blocks, the final norm and the LM head (trlx's key); the embeddings and the lower blocks are frozen. -1 trains every layer. A head tied to the input embeddings is frozen with them when N >= 0.")

@@ -203,8 +203,8 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
                 with_reference: bool = True) -> PolicyModels:
     """The policy from cfg.model_name, or from `checkpoint`/actor when resuming (with LoRA: the base model plus the
     saved adapter, trainable), frozen or adapted as configured, on `device`; and the reference policy unless
-    `with_reference` is false. `dtype` is the passes' compute dtype: the trained weights are float32 whatever it is,
-    the reference and a LoRA base (never trained) are held in it."""
+    `with_reference` is false. `dtype` is the passes' compute dtype: the policy's and a separate reference's weights
+    are float32 whatever it is (the passes run in it under autocast); a LoRA base, never trained, is held in it."""
     saved = checkpoint / "actor" if checkpoint is not None else None
     holds_adapter = saved is not None and (saved / ADAPTER_CONFIG).is_file()
     if saved is not None and holds_adapter != (cfg.lora is not None):
@@ -240,7 +240,10 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
         reference = DisabledAdapterReference(adapted)
         log.info("reference policy: the policy with its LoRA adapters disabled (no second copy)")
     elif with_reference:
-        ref = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.reference_model_name or cfg.model_name), dtype=dtype)
+        # float32 like the policy, both computing under the same autocast: at the start the two agree exactly (a
+        # bf16 copy would differ in its norms and biases, which autocast leaves to their weights' dtype)
+        ref = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.reference_model_name or cfg.model_name),
+                                                   dtype=torch.float32)
         ref.eval().requires_grad_(False)
         if cfg.reference_offload:
             reference = OffloadedReference(ref, device)

@@ -339,12 +339,16 @@ def test_an_instruct_policy_gets_chat_prompts_and_stops_at_its_generation_config
 def test_a_bf16_policy_trains_float32_weights_under_autocast(embedded_assets, reward, tmp_path):
     """policy.precision=bfloat16 is mixed precision: generation and every pass compute in bf16, while the optimizer
     updates float32 weights, so a step at a small learning rate moves nearly every weight (in bf16 weights nearly
-    every such update would round away: an Adam step of 1e-6 is far below bf16's resolution at these magnitudes)."""
+    every such update would round away: an Adam step of 1e-6 is far below bf16's resolution at these magnitudes).
+    The reference computes as the policy does, so the KL in the loss, taken before the step's one update, is exactly
+    0 (a bf16 copy of the reference would differ in its norms, which autocast leaves in their weights' dtype)."""
     run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", f"reward.address={reward.address}",
-                    critic_dead(), "policy.precision=bfloat16", "policy.optimizer.kwargs.lr=1e-6")
+                    critic_dead(), "policy.precision=bfloat16", "policy.optimizer.kwargs.lr=1e-6",
+                    "loss_fn.reference_policy_kl_penalty=0.01")
     assert run.returncode == 0, run.stderr[-3000:]
     [row] = metrics(tmp_path / "run")
     assert all(v is not None for v in row.values()), row
+    assert row["train_optim/kl_penalty"] == 0
     before = load_file(embedded_assets.policy / "model.safetensors")
     after = load_file(tmp_path / "run" / "checkpoints" / "step_1" / "actor" / "model.safetensors")
     assert {t.dtype for t in after.values()} == {torch.float32}
