@@ -22,8 +22,9 @@ workload). Nothing is downloaded: the models are built locally and cached in .ca
 
 On a GPU (`--device cuda --precision bfloat16`): both sides run bf16 mixed precision on the one GPU (ours: the actor,
 the critic server and the reward server all on cuda:0; TRL with use_cpu off and its bf16=True): the trained policy
-and value model keep float32 weights and compute in bf16 under autocast, the reference and reward models are held
-in bf16, so both do the same work in the same precision; the peak is then the bf16 torch.mm peak of that GPU. The CUDA path has not been run where this was written (no GPU); the
+and value model keep float32 weights and compute in bf16 under autocast, the reward model is held in bf16, and the
+reference is bf16 on TRL's side and float32 under the policy's autocast on ours (bf16 matmuls either way), so both do
+the same work in the same precision; the peak is then the bf16 torch.mm peak of that GPU. The CUDA path has not been run where this was written (no GPU); the
 suite runs the bf16 path on the CPU at --tiny size.
 
 Choices, with what was measured on the 2-core machine this was written on (medians of 3 steps):

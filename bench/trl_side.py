@@ -9,9 +9,9 @@ How TRL is set up (every choice made so that one TRL step is the same work as on
   train_global_batch_size = batch), micro-batched alike; num_ppo_epochs = epochs; total_episodes = steps * batch.
 - fp32 on the CPU by default (use_cpu, bf16 and fp16 off: PPOConfig's default is bf16), torch threads = --threads;
   with --device cuda use_cpu is off, and with --precision bfloat16 TRL's own mixed precision is on (bf16=True:
-  the policy and value model keep float32 weights and run under accelerate's bf16 autocast, TRL's generation
-  included as it ships) and the reference and reward models, never trained, are loaded in bf16: as ours does with
-  policy.precision=bfloat16 and the servers' dtype=bfloat16.
+  the policy and value model keep float32 weights and their prepared forward runs under accelerate's bf16
+  autocast; TRL generates through the unwrapped policy, outside it, as it ships) and the reference and reward
+  models, never trained, are loaded in bf16; ours runs policy.precision=bfloat16 and the servers' dtype=bfloat16.
 - gradient_checkpointing off (PPOConfig's default is on): it recomputes the forward pass to save memory, which
   this machine does not need; left on it would cost TRL about a third more training time.
 - local_rollout_forward_batch_size = --rollout-batch (default: the whole batch, TRL's own default of 64), so
