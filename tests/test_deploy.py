@@ -336,6 +336,8 @@ def test_dockerfile_installs_torch_first(dockerfile):
     else:
         assert "--index-url https://download.pytorch.org/whl/cpu" in text[: torch_install]
         assert re.search(r"^USER (?!root)\S+", text, re.MULTILINE)
+        # compile=true on the CPU needs a C++ compiler in the image
+        assert re.search(r"apt-get install -y --no-install-recommends .*\bg\+\+", text)
 
 
 def test_dockerignore_keeps_local_state_out_of_the_image():
