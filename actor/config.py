@@ -117,6 +117,7 @@ class PolicyConfig(StrictModel):
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
     logprob_batch_size: int = Field(8, ge=1, description="Samples per forward pass when computing rollout and reference log-probs.")
     generation_batch_size: int = Field(8, ge=1, description="Samples per generation call; each batch's critic and reward requests go out as soon as it is generated.")
+    trust_remote_code: bool = Field(False, description="Let transformers run the model code a checkpoint ships (the auto_map of its config.json) for the policy, the reference and the tokenizer: only for checkpoints you trust.")
     precision: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype: bfloat16 runs generation and every pass under torch.autocast with float32 policy weights, which the optimizer updates (mixed precision, as NeMo-RL's precision does: a bf16 weight would round away updates below its resolution); the reference is float32 too, so at the start both compute alike, and a LoRA base, never trained, is held in it.")
     max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")

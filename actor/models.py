@@ -214,7 +214,8 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
     base_path = resolve_model(cfg.model_name) if saved is None or holds_adapter else str(saved)
     # trained weights stay float32 (the passes run in `dtype` under autocast: mixed precision); LoRA's frozen base
     # is held in `dtype`, its adapters in float32 (peft's default)
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype if cfg.lora is not None else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype if cfg.lora is not None else torch.float32,
+                                                 trust_remote_code=cfg.trust_remote_code)
     adapted = None
     if cfg.lora is not None:
         adapted = (PeftModel.from_pretrained(model, str(saved), is_trainable=True) if holds_adapter
@@ -243,7 +244,7 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
         # float32 like the policy, both computing under the same autocast: at the start the two agree exactly (a
         # bf16 copy would differ in its norms and biases, which autocast leaves to their weights' dtype)
         ref = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.reference_model_name or cfg.model_name),
-                                                   dtype=torch.float32)
+                                                   dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
         ref.eval().requires_grad_(False)
         if cfg.reference_offload:
             reference = OffloadedReference(ref, device)

@@ -89,7 +89,7 @@ class PPOTrainer:
         checkpoints.remove_leftovers(self.run_dir / "checkpoints")
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
         policy_path = str(self.resume_from / "actor") if self.resume_from else resolve_model(pol.model_name)
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=pol.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if self.pad_id is None:
             raise ModelSetupError(f"policy.model_name: the tokenizer of {policy_path} has neither a pad token nor an EOS "

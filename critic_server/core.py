@@ -24,6 +24,7 @@ from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.modeling import (
     TORCH_DTYPES,
     compiled,
+    copy_remote_code,
     last_token_scores,
     length_buckets,
     load_scalar_head_model,
@@ -100,8 +101,9 @@ class CriticCore:
             log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
                      cfg.checkpoint_dir)
         # float32 weights, which the optimizer updates; its passes compute in `dtype` under autocast (mixed precision)
-        self.model = load_scalar_head_model(path, torch.float32).to(self.device)
-        self.tokenizer = load_tokenizer(path)
+        self.model = load_scalar_head_model(path, torch.float32, trust_remote_code=cfg.trust_remote_code).to(self.device)
+        self.tokenizer = load_tokenizer(path, cfg.trust_remote_code)
+        self.model_dir = path  # where its own model code (trust_remote_code) lies, copied into each checkpoint
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_length = max_length_of(self.model)
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
@@ -116,10 +118,10 @@ class CriticCore:
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)
-            self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype],
-                                                     trained_head=True).to(self.device).eval()
+            self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype], trained_head=True,
+                                                       trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
             self.reward_model.requires_grad_(False)
-            if vocab_sha256(load_tokenizer(rm_path)) != self.vocab_sha256:
+            if vocab_sha256(load_tokenizer(rm_path, cfg.trust_remote_code)) != self.vocab_sha256:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")
             self.max_length = min(self.max_length, max_length_of(self.reward_model))
         if cfg.compile:  # compiled now, before ready, not at the first Infer and Train
@@ -346,6 +348,7 @@ class CriticCore:
         # transformers >= 5 writes model.safetensors only (its safe_serialization flag is gone): no pickle.
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
+        copy_remote_code(self.model.config, self.model_dir, tmp)
         torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)  # plain tensors and numbers: weights_only loads it
         state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
                  "dedupe_window": self.window.to_json()}
@@ -364,7 +367,7 @@ class CriticCore:
         path = checkpoint_path(Path(self.cfg.checkpoint_dir), tag)
         if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
             raise NotFound(f"tag: no checkpoint of this critic at {path}")
-        saved = load_scalar_head_model(str(path), torch.float32)
+        saved = load_scalar_head_model(str(path), torch.float32, trust_remote_code=self.cfg.trust_remote_code)
         self.model.load_state_dict(saved.state_dict())
         self._load_training_state(path)
         self.source, self.unsaved = str(path.resolve()), False

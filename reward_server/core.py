@@ -77,16 +77,17 @@ class RewardCore:
         torch.manual_seed(cfg.seed)
         if cfg.scorer is None:
             path = resolve_model(cfg.model)
-            self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True).to(self.device).eval()
+            self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True,
+                                                trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
             self.model.requires_grad_(False)
             self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
-            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path)
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path, cfg.trust_remote_code)
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
             if cfg.compile:  # compiled now, before ready, not at the first Score
                 log.info("compile=true: Score pass compiled in %.1f s", warm_up(self.scores, [self.model], self.device))
         else:
-            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER))
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER), cfg.trust_remote_code)
             self.vocab_size = len(self.tokenizer)
             limit = self.tokenizer.model_max_length
             self.max_length = int(limit) if limit < _NO_LIMIT else _NO_LIMIT

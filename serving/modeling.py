@@ -13,9 +13,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -38,15 +40,19 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, trained_head: bool = False
-                           ) -> PreTrainedModel:
+def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, trained_head: bool = False,
+                           trust_remote_code: bool = False) -> PreTrainedModel:
     """Load a Hugging Face checkpoint with a one-output `score` head. A causal-LM checkpoint (e.g. the
     policy) gets a freshly initialised head, which is how a critic is initialised from the policy; with
     `trained_head` (a reward model) a checkpoint without the head's weights is refused instead. Model types
     without a sequence-classification class in transformers get one built from their base model
-    (`scalar_head_class`). A checkpoint that leaves the whole body uninitialised is refused."""
-    cls = scalar_head_class(AutoConfig.from_pretrained(path))
-    model, info = cls.from_pretrained(path, num_labels=1, dtype=dtype, output_loading_info=True)
+    (`scalar_head_class`). A checkpoint that leaves the whole body uninitialised is refused. `trust_remote_code`
+    lets transformers run the model code a checkpoint ships (its config's auto_map)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config.num_labels = 1
+    cls = scalar_head_class(config, trust_remote_code)
+    remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
+    model, info = cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **remote)
     score = getattr(model, "score", None)
     if score is None:
         raise ValueError(f"{path}: {type(model).__name__} has no `score` head; the critic and reward servers read a "
@@ -66,32 +72,61 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     return model
 
 
-def scalar_head_class(config: PretrainedConfig) -> type:
+def scalar_head_class(config: PretrainedConfig, trust_remote_code: bool = False) -> type:
     """The class that loads `config`'s model type with a linear `score` head: `AutoModelForSequenceClassification`
-    where transformers has a sequence-classification class for the type; otherwise one built from the type's base
-    model (`AutoModel`), laid out as transformers' own `GenericForSequenceClassification` classes are (the body under
-    the type's `base_model_prefix`, then `score`), so it loads the body of a causal-LM checkpoint of that type and its
-    saved checkpoints load back the same way (Granite, Cohere, CodeGen, Gemma 3n, Llama 4, ... have no such class)."""
-    if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+    where transformers (or, with `trust_remote_code`, the checkpoint's own code) has a sequence-classification class
+    for the type; otherwise one built from the type's base model (`AutoModel`), laid out as transformers' own
+    `GenericForSequenceClassification` classes are (the body under the type's `base_model_prefix`, then `score`), so
+    it loads the body of a causal-LM checkpoint of that type and its saved checkpoints load back the same way
+    (Granite, Cohere, CodeGen, Gemma 3n, Llama 4, ... have no such class)."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING or (
+            trust_remote_code and "AutoModelForSequenceClassification" in auto_map):
         return AutoModelForSequenceClassification
-    if type(config) not in MODEL_MAPPING:
-        raise ValueError(f"model type {config.model_type!r}: transformers has neither a sequence-classification nor a "
-                         f"base model class for it, so it cannot carry a value or reward head")
-    return _generic_scalar_head(MODEL_MAPPING[type(config)])
+    if type(config) in MODEL_MAPPING:
+        return _generic_scalar_head(MODEL_MAPPING[type(config)])
+    if trust_remote_code and "AutoModel" in auto_map:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return _generic_scalar_head(get_class_from_dynamic_module(auto_map["AutoModel"], config._name_or_path))
+    raise ValueError(f"model type {config.model_type!r}: transformers has neither a sequence-classification nor a "
+                     f"base model class for it, so it cannot carry a value or reward head")
 
 
 @functools.cache
 def _generic_scalar_head(base: type[PreTrainedModel]) -> type:
-    family = next(c for c in base.__mro__[1:] if issubclass(c, PreTrainedModel))  # e.g. GranitePreTrainedModel
+    # the family's own PreTrainedModel (GranitePreTrainedModel, ...): the class in the MRO right above PreTrainedModel
+    family = next(c for c in base.__mro__ if PreTrainedModel in c.__bases__)
     name = base.__name__.removesuffix("Model") + "ForSequenceClassification"
+    prefix = family.base_model_prefix or GenericForSequenceClassification.base_model_prefix
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        # GenericForSequenceClassification's own, but with the body built from `base` itself: its AutoModel lookup
+        # knows nothing of a checkpoint's own code
+        super(GenericForSequenceClassification, self).__init__(config)
+        self.num_labels = config.num_labels
+        setattr(self, prefix, base(config))
+        self.score = torch.nn.Linear(config.get_text_config().hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
     return type(name, (GenericForSequenceClassification, family),
-                {"base_model_prefix": family.base_model_prefix or GenericForSequenceClassification.base_model_prefix,
-                 "__module__": __name__})
+                {"base_model_prefix": prefix, "__init__": __init__, "__module__": __name__})
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def copy_remote_code(config: PretrainedConfig, source: str, target: Path) -> None:
+    """Copy into `target` the Python files in the checkpoint directory `source` that `config.auto_map` names (a
+    checkpoint's own model code), so a checkpoint written from that model loads with trust_remote_code as its source
+    did; nothing for a model without them."""
+    for ref in (getattr(config, "auto_map", None) or {}).values():
+        for name in [ref] if isinstance(ref, str) else [r for r in ref if r]:  # a tokenizer's maps to a pair
+            module = name.split("--")[-1].rsplit(".", 1)[0] + ".py"
+            if (Path(source) / module).is_file() and not (target / module).exists():
+                shutil.copy(Path(source) / module, target / module)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer stored beside a checkpoint."""
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def attention_mask_from_lengths(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -288,7 +323,7 @@ def max_length_before_loading(spec: str) -> int | None:
 
         return MAX_LENGTH
     try:
-        return max_length_of(AutoConfig.from_pretrained(spec))
+        return max_length_of(AutoConfig.from_pretrained(spec, trust_remote_code=False))
     except (OSError, ValueError):
         return None
 

@@ -42,4 +42,5 @@ class ServerConfig(SecurityConfig):
                           "seconds on a CPU); on a CPU a Train micro-batch of over 4096 tokens compiles once more when "
                           "it first comes. On the CPU it needs a C++ compiler (g++ or "
                           "clang++), checked at start. Results equal eager ones up to float reduction order.")
+    trust_remote_code: bool = Field(False, description="Let transformers run the model code a checkpoint ships (the auto_map of its config.json) for the model and tokenizer: only for checkpoints you trust. The critic copies those code files into its checkpoints.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig)

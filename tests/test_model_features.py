@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,10 @@ from actor.models import (
 from actor.rollouts import RolloutCollector
 from actor.tracking import Timers
 from algorithms import logprobs_from_logits, policy_loss
-from serving.modeling import attention_mask_from_lengths
+from ppo_services.v1 import critic_pb2, critic_pb2_grpc
+from serving.codec import decode, encode
+from serving.modeling import attention_mask_from_lengths, load_scalar_head_model, per_token_scores
+from tests.grpc_helpers import channel
 from tests.service_procs import ServiceProcess
 from tests.test_algorithm_runs import critic_dead, metrics, run_actor
 
@@ -355,6 +359,66 @@ def test_a_bf16_policy_trains_float32_weights_under_autocast(embedded_assets, re
     moved = sum(int((after[k] != before[k]).sum()) for k in before) / sum(t.numel() for t in before.values())
     assert moved > 0.9, moved
     assert all((after[k].bfloat16() == before[k].bfloat16()).float().mean() > 0.5 for k in before if before[k].dim() > 1)
+
+
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class TinyXConfig(LlamaConfig):
+    model_type = "tinyx"
+"""
+REMOTE_MODELING = """from transformers import LlamaForCausalLM, LlamaModel
+
+from .configuration_tinyx import TinyXConfig
+
+
+class TinyXModel(LlamaModel):
+    config_class = TinyXConfig
+
+
+class TinyXForCausalLM(LlamaForCausalLM):
+    config_class = TinyXConfig
+"""
+
+
+def test_a_model_that_ships_its_own_code_runs_with_trust_remote_code(embedded_assets, reward, log_dir, tmp_path):
+    """A checkpoint whose config.json maps to its own Python files (a model type transformers does not know): refused
+    unless trust_remote_code is set; with it the critic builds a value head over the checkpoint's own base model,
+    serves and saves it (code files included, so the checkpoint loads back), and the actor trains it as the policy."""
+    model_dir = tmp_path / "tinyx_policy"
+    shutil.copytree(embedded_assets.policy, model_dir)
+    (model_dir / "configuration_tinyx.py").write_text(REMOTE_CONFIG)
+    (model_dir / "modeling_tinyx.py").write_text(REMOTE_MODELING)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="tinyx", architectures=["TinyXForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_tinyx.TinyXConfig", "AutoModel": "modeling_tinyx.TinyXModel",
+                            "AutoModelForCausalLM": "modeling_tinyx.TinyXForCausalLM"})
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+    refused = run_actor("grpo", tmp_path / "refused", f"policy.model_name={model_dir}", critic_dead(), timeout=120)
+    assert refused.returncode != 0 and "trust_remote_code" in refused.stderr, refused.stderr[-2000:]
+
+    tokens = torch.tensor([[4, 5, 6, 7, 8], [9, 10, 11, 12, 13]])
+    with ServiceProcess("critic", "--model", str(model_dir), "trust_remote_code=true", "--checkpoint-dir",
+                        str(tmp_path / "ckpt"), log_dir=log_dir) as server:
+        ch = channel(server.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        reply = stub.Infer(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(torch.tensor([5, 3]))),
+                           timeout=60)
+        saved = Path(stub.Save(critic_pb2.SaveRequest(tag="tinyx"), timeout=120).path)
+        ch.close()
+    assert (saved / "modeling_tinyx.py").is_file() and (saved / "configuration_tinyx.py").is_file()
+    critic = load_scalar_head_model(str(saved), trust_remote_code=True).eval()
+    assert type(critic).__name__ == "TinyXForSequenceClassification"
+    with torch.no_grad():
+        torch.testing.assert_close(per_token_scores(critic, tokens, torch.tensor([5, 3])), decode(reply.values, "v"),
+                                   atol=1e-6, rtol=1e-5)
+
+    run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", f"reward.address={reward.address}",
+                    critic_dead(), f"policy.model_name={model_dir}", "policy.trust_remote_code=true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = metrics(tmp_path / "run")
+    assert row["step"] == 1 and row["train_optim/loss"] is not None
 
 
 def test_an_actor_run_with_lora_checkpoints_and_resumes_exactly(reward, tmp_path):
