@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from serving.modeling import pad_and_stack, require_compiler, right_pad
+from serving.modeling import computing_in, pad_and_stack, require_compiler, right_pad
 
 from .stop_strings import StopStringMatcher
 
@@ -392,10 +392,8 @@ class TorchGenerationBackend:
 
         was_training = self.model.training
         self.model.eval()
-        autocast = torch.autocast(self.device.type, dtype=self.compute_dtype,
-                                  enabled=self.compute_dtype != torch.float32)
         try:
-            with autocast:
+            with computing_in(self.device, self.compute_dtype):
                 cache = None
                 if self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:
                     cache = preallocated_cache_for(self.model, p_max + params.max_new_tokens)

@@ -103,13 +103,12 @@ def decoded_texts(tokenizer: PreTrainedTokenizerBase, r: Rollout,
     false (padding is never decoded: each row stops at its length). Each text starts with its prompt text: it is the
     decoded whole row when that begins with the decoded prompt, else the two joined."""
     texts, prompts = [], []
-    skip = skip_special_tokens
     for i in range(r.tokens.shape[0]):
         p, n = int(r.prompt_lengths[i]), int(r.lengths[i])
-        prompt = tokenizer.decode(r.tokens[i, :p], skip_special_tokens=skip)
-        whole = tokenizer.decode(r.tokens[i, :n], skip_special_tokens=skip)
+        prompt = tokenizer.decode(r.tokens[i, :p], skip_special_tokens=skip_special_tokens)
+        whole = tokenizer.decode(r.tokens[i, :n], skip_special_tokens=skip_special_tokens)
         if not whole.startswith(prompt):
-            whole = prompt + tokenizer.decode(r.tokens[i, p:n], skip_special_tokens=skip)
+            whole = prompt + tokenizer.decode(r.tokens[i, p:n], skip_special_tokens=skip_special_tokens)
         texts.append(whole)
         prompts.append(prompt)
     return texts, prompts

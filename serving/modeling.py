@@ -60,10 +60,11 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
                          f"out sequence classification")
     head = {name for name, _ in score.named_parameters(prefix="score")}
     body = [name for name, _ in model.named_parameters() if name not in head]
-    if body and set(body) <= set(info["missing_keys"]):
+    missing = set(info["missing_keys"])
+    if body and set(body) <= missing:
         raise ValueError(f"{path} has no weights for the body of {type(model).__name__} (expected keys like "
                          f"{body[0]!r}): it is not a checkpoint of this model type")
-    if trained_head and head & set(info["missing_keys"]):
+    if trained_head and head & missing:
         raise ValueError(f"{path} has no weights for the reward head ({', '.join(sorted(head))}): it is not a reward "
                          f"model (a causal LM or a base model would score with a random head); a reward model is a "
                          f"sequence-classification checkpoint with one label")
@@ -255,15 +256,21 @@ def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> Mo
     return pass_
 
 
+def computing_in(device: torch.device, dtype: torch.dtype) -> torch.autocast:
+    """The region where passes compute in `dtype` on float32 weights: `torch.autocast` on `device`'s type, disabled
+    for float32 (mixed precision, as NeMo-RL's and TRL's bf16 training run)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def mixed_precision(pass_: ModelPass, device: torch.device, dtype: torch.dtype) -> ModelPass:
-    """`pass_` with its forward under `torch.autocast(dtype)`: float32 weights (what the optimizer updates), matmuls
-    and attention in `dtype`, as NeMo-RL's and TRL's bf16 training run; `pass_` itself for float32. A backward of its
-    output runs outside the autocast region, as autocast asks."""
+    """`pass_` with its forward in `computing_in(device, dtype)`: float32 weights (what the optimizer updates), matmuls
+    and attention in `dtype`; `pass_` itself for float32. A backward of its output runs outside the autocast region,
+    as autocast asks."""
     if dtype == torch.float32:
         return pass_
 
     def pass_in_dtype(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=dtype):
+        with computing_in(device, dtype):
             return pass_(model, tokens, lengths)
 
     return pass_in_dtype
