@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from serving.config import StrictModel
 from serving.server_config import ServerConfig
@@ -42,6 +42,12 @@ class CriticConfig(ServerConfig):
     reward_model: str | None = Field(
         None, description="Combined mode: also serve this reward model; Infer then returns rewards as well."
     )
+    normalize_reward: bool | None = Field(
+        None,
+        description="Combined mode: return the reward model's (score - mean) / std with the `mean` and `std` in its "
+        "config.json, as OpenRLHF does for reward models trained with --normalize_reward. Unset follows the "
+        "checkpoint's own normalize_reward; true requires mean and std there; false returns raw scores.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype: bfloat16 or float16 run Infer and Train under torch.autocast with float32 critic weights, which the optimizer updates (mixed precision; float16 without loss scaling, so prefer bfloat16); a combined reward model (--reward-model) is held in it.")
     checkpoint_dir: str = Field(
         "checkpoints/critic", description="Where Save and autosave write <checkpoint_dir>/<tag>; what `resume` reads."
@@ -68,3 +74,10 @@ class CriticConfig(ServerConfig):
     )
     seed: int = Field(1234, description="Seed for the value head's initialisation when the checkpoint has none.")
     train: CriticTrainConfig = Field(default_factory=CriticTrainConfig)
+
+    @model_validator(mode="after")
+    def _normalize_needs_a_reward_model(self) -> CriticConfig:
+        if self.normalize_reward and self.reward_model is None:
+            raise ValueError("normalize_reward=true applies to the combined reward model's scores, and no reward_model "
+                             "is set; unset normalize_reward or set reward_model")
+        return self

@@ -23,6 +23,7 @@ from embedded import resolve_model
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.modeling import (
     TORCH_DTYPES,
+    RewardNormalization,
     compiled,
     copy_remote_code,
     last_token_scores,
@@ -35,6 +36,7 @@ from serving.modeling import (
     pad_and_stack,
     per_token_scores,
     resolve_device,
+    reward_normalization,
     vocab_sha256,
     warm_up,
 )
@@ -124,6 +126,10 @@ class CriticCore:
             if vocab_sha256(load_tokenizer(rm_path, cfg.trust_remote_code)) != self.vocab_sha256:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")
             self.max_length = min(self.max_length, max_length_of(self.reward_model))
+            self.normalize_reward = reward_normalization(self.reward_model.config, cfg.normalize_reward,
+                                                         "normalize_reward")
+            if self.normalize_reward != RewardNormalization():
+                log.info("combined rewards reported as %s (%s's config.json)", self.normalize_reward, cfg.reward_model)
         if cfg.compile:  # compiled now, before ready, not at the first Infer and Train
             seconds = warm_up(self.scores, [self.model, *([self.reward_model] if self.reward_model else [])],
                               self.device, train=self.model)
@@ -177,7 +183,7 @@ class CriticCore:
             tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
             all_values[idx, :w] = self.scores(self.model, tok, n).cpu()
             if all_rewards is not None:
-                all_rewards[idx] = last_token_scores(self.scores(self.reward_model, tok, n), n).cpu()
+                all_rewards[idx] = self.normalize_reward(last_token_scores(self.scores(self.reward_model, tok, n), n)).cpu()
         out, row = [], 0
         for t, _ in requests:
             b, s = t.shape

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from serving.server_config import ServerConfig
 
@@ -47,6 +47,13 @@ class RewardConfig(ServerConfig):
         "tokenizes texts for the learned model. Default: the model's own; embedded:policy's with `scorer`.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
+    normalize_reward: bool | None = Field(
+        None,
+        description="Learned model: report (score - mean) / std with the `mean` and `std` in its config.json, as "
+        "OpenRLHF does for reward models trained with --normalize_reward (their config.json also says "
+        "normalize_reward: true). Unset follows the checkpoint's own normalize_reward; true requires mean and std "
+        "there; false reports raw scores. Not for a rule `scorer`.",
+    )
     seed: int = Field(1234, description="torch seed set before loading (a checkpoint without a score head "
                                         "gets a random one).")
 
@@ -54,6 +61,13 @@ class RewardConfig(ServerConfig):
     @classmethod
     def _scorer_known(cls, v: str | None) -> str | None:
         return None if v is None else _check_scorer(v)
+
+    @model_validator(mode="after")
+    def _normalize_needs_a_model(self) -> RewardConfig:
+        if self.scorer is not None and self.normalize_reward:
+            raise ValueError(f"normalize_reward=true applies to a learned model's scores, not to the rule scorer "
+                             f"{self.scorer!r}; unset it or unset scorer")
+        return self
 
     @field_validator("components")
     @classmethod

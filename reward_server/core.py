@@ -15,6 +15,7 @@ from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
     TORCH_DTYPES,
+    RewardNormalization,
     by_length,
     compiled,
     last_token_scores,
@@ -25,6 +26,7 @@ from serving.modeling import (
     pad_and_stack,
     per_token_scores,
     resolve_device,
+    reward_normalization,
     right_pad,
     vocab_sha256,
     warm_up,
@@ -81,6 +83,9 @@ class RewardCore:
                                                 trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
             self.model.requires_grad_(False)
             self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
+            self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward")
+            if self.normalize_reward != RewardNormalization():
+                log.info("rewards reported as %s (%s's config.json)", self.normalize_reward, cfg.model)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path, cfg.trust_remote_code)
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
@@ -225,6 +230,7 @@ class RewardCore:
         lengths = torch.cat([r.lengths for r in requests])
         rewards = by_length(lambda tok, n: last_token_scores(self.scores(self.model, tok, n), n), tokens, lengths,
                             self.cfg.batching.max_batch_size, self.device)
+        rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))
 
     def _rule_scores(self, name: str, req: ScoreInput) -> list[float] | None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +42,10 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
+# OpenRLHF saves its reward and critic models' head as `value_head` (its default `value_head_prefix` before `score`)
+_HEAD_ALIASES = {r"^value_head\.": "score."}
+
+
 def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, trained_head: bool = False,
                            trust_remote_code: bool = False) -> PreTrainedModel:
     """Load a Hugging Face checkpoint with a one-output `score` head. A causal-LM checkpoint (e.g. the
@@ -52,7 +58,12 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     config.num_labels = 1
     cls = scalar_head_class(config, trust_remote_code)
     remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
-    model, info = cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **remote)
+    model, info = cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
+                                      key_mapping=_HEAD_ALIASES, **remote)
+    # transformers reverses a load's key mapping when the model is saved: the critic's checkpoints keep `score`
+    if getattr(model, "_weight_conversions", None):
+        model._weight_conversions = [c for c in model._weight_conversions
+                                     if getattr(c, "source_patterns", None) != list(_HEAD_ALIASES)]
     score = getattr(model, "score", None)
     if score is None:
         raise ValueError(f"{path}: {type(model).__name__} has no `score` head; the critic and reward servers read a "
@@ -310,6 +321,42 @@ def per_token_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torc
 def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """float [B, S] per-token scores -> float [B] at the last valid position lengths[b]-1."""
     return scores.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+
+
+@dataclass(frozen=True)
+class RewardNormalization:
+    """`(score - mean) / std`: the statistics a reward model's scores are meant to be normalised with (the default
+    leaves scores as they are, exactly)."""
+
+    mean: float = 0.0
+    std: float = 1.0
+
+    def __str__(self) -> str:
+        return f"(score - {self.mean:g}) / {self.std:g}"
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        return (scores - self.mean) / self.std
+
+
+def reward_normalization(config: PretrainedConfig, setting: bool | None, key: str) -> RewardNormalization:
+    """How a reward model's scores are normalised, from its config: OpenRLHF's reward models trained with
+    `--normalize_reward` carry `normalize_reward: true` and their scores' `mean` and `std` in config.json, and OpenRLHF
+    reports `(score - mean) / std` from them. `setting` (the server's `key`) None follows the checkpoint's own
+    `normalize_reward` (without stats that is the identity, as in OpenRLHF); True requires the stats; False never
+    normalises. Stats that are not a finite number, or a std that is not > 0, are refused, naming `key`."""
+    wanted = bool(getattr(config, "normalize_reward", False)) if setting is None else setting
+    stats = {name: getattr(config, name, None) for name in ("mean", "std")}
+    if not wanted or (setting is None and None in stats.values()):
+        return RewardNormalization()
+    for name, value in stats.items():
+        if value is None:
+            raise ValueError(f"{key}=true: the reward model's config.json has no `{name}` (OpenRLHF writes `mean` and "
+                             f"`std` there for a reward model trained with --normalize_reward); set {key}=false")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"{key}: the reward model's config.json has {name}={value!r}; expected a finite number")
+    if stats["std"] <= 0:
+        raise ValueError(f"{key}: the reward model's config.json has std={stats['std']!r}; expected a number > 0")
+    return RewardNormalization(float(stats["mean"]), float(stats["std"]))
 
 
 def max_length_of(model: PreTrainedModel | PretrainedConfig) -> int:

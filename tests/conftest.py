@@ -34,3 +34,27 @@ def embedded_assets(embedded_cache):
 @pytest.fixture(scope="module")
 def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs")
+
+
+# The score statistics written into openrlhf_reward_model's config.json
+OPENRLHF_MEAN, OPENRLHF_STD = 0.25, 2.0
+
+
+@pytest.fixture(scope="session")
+def openrlhf_reward_model(embedded_assets, tmp_path_factory) -> Path:
+    """The embedded reward model as OpenRLHF saves a reward model trained with --normalize_reward: the head under
+    `value_head` (its older default value_head_prefix) and `normalize_reward`, `mean` and `std` in config.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("openrlhf") / "rm"
+    shutil.copytree(embedded_assets.reward_model, path)
+    weights = load_file(path / "model.safetensors")
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["RewardModel"], normalize_reward=True, mean=OPENRLHF_MEAN, std=OPENRLHF_STD)
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -793,3 +793,34 @@ def test_a_bf16_critic_trains_float32_weights_under_autocast(embedded_assets, lo
     assert {t.dtype for t in after.values()} == {torch.float32}
     moved = sum(int((after[k] != before[k]).sum()) for k in before) / sum(t.numel() for t in before.values())
     assert moved > 0.9, moved
+
+
+def test_a_critic_serves_openrlhf_checkpoints_and_saves_them_in_transformers_layout(openrlhf_reward_model,
+                                                                                   embedded_assets, log_dir, tmp_path):
+    """An OpenRLHF reward model (head under `value_head`, normalize_reward with mean and std in config.json) as the
+    critic's start and as its combined reward model: values read that head, rewards are (score - mean) / std as
+    OpenRLHF reports them, and the critic's checkpoints store the head as `score`, which transformers loads alone."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.conftest import OPENRLHF_MEAN, OPENRLHF_STD
+
+    tokens, lengths = batch(91)
+    with ServiceProcess("critic", "--model", str(openrlhf_reward_model), "--reward-model", str(openrlhf_reward_model),
+                        "--checkpoint-dir", str(tmp_path / "ckpt"), log_dir=log_dir) as server:
+        ch = channel(server.address)
+        reply = critic_pb2_grpc.CriticServiceStub(ch).Infer(
+            critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=60)
+        saved = critic_pb2_grpc.CriticServiceStub(ch).Save(critic_pb2.SaveRequest(tag="orl"), timeout=120).path
+        ch.close()
+    model = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
+    with torch.no_grad():
+        scores = per_token_scores(model, tokens, lengths)
+    torch.testing.assert_close(decode(reply.values, "values"), scores, atol=1e-5, rtol=1e-5)
+    last = scores.gather(1, (lengths - 1)[:, None]).squeeze(1)
+    torch.testing.assert_close(decode(reply.rewards, "rewards"), (last - OPENRLHF_MEAN) / OPENRLHF_STD,
+                               atol=1e-5, rtol=1e-5)
+    assert "score.weight" in load_file(Path(saved) / "model.safetensors")
+    assert "value_head.weight" not in load_file(Path(saved) / "model.safetensors")
+    plain = AutoModelForSequenceClassification.from_pretrained(saved).eval()
+    torch.testing.assert_close(plain.score.weight, model.score.weight, rtol=0, atol=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -23,13 +24,16 @@ from reward_server.scorers import SCORERS, math_answer, no_negative
 from serving.codec import decode, encode
 from serving.errors import InvalidArgument
 from serving.modeling import (
+    RewardNormalization,
     last_token_scores,
     load_scalar_head_model,
     load_tokenizer,
     per_token_scores,
+    reward_normalization,
     vocab_sha256,
 )
 from serving.wire import grpc_options
+from tests.conftest import OPENRLHF_MEAN, OPENRLHF_STD
 from tests.service_procs import ROOT, ServiceProcess
 
 SCORE = "/ppo_services.v1.RewardService/Score"
@@ -423,6 +427,52 @@ def test_a_model_without_a_trained_reward_head_is_refused_at_start(embedded_asse
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"{embedded_assets.policy} has no weights for the reward head (score.weight): it is not a reward model" \
         in proc.stderr
+
+
+# --- OpenRLHF's reward model checkpoints ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", [None, "false"])
+def test_an_openrlhf_reward_model_scores_as_openrlhf_reports_it(openrlhf_reward_model, reference_model, tokenizer,
+                                                                 log_dir, setting):
+    """OpenRLHF saves its reward head as `value_head` and, for a model trained with --normalize_reward, the scores'
+    mean and std in config.json: the server reads that head and reports (score - mean) / std by default, raw scores
+    with normalize_reward=false."""
+    samples = make_samples(81, 6)
+    extra = () if setting is None else (f"normalize_reward={setting}",)
+    with ServiceProcess("reward", "--model", str(openrlhf_reward_model), *extra, log_dir=log_dir) as proc:
+        channel, stub = open_stub(proc)
+        reply = stub.Score(token_request(tokenizer, samples), timeout=60)
+        channel.close()
+    raw = expected_rewards(reference_model, tokenizer, samples)
+    expected = raw if setting == "false" else (raw - OPENRLHF_MEAN) / OPENRLHF_STD
+    torch.testing.assert_close(decode(reply.rewards, "rewards"), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_normalize_reward_without_the_statistics_is_refused_at_start_naming_the_key(embedded_cache):
+    done = subprocess.run([sys.executable, "-m", "reward_server", "--port", "0", "--http-port", "0",
+                           "normalize_reward=true"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "normalize_reward=true: the reward model's config.json has no `mean`" in done.stderr
+
+
+def test_normalize_reward_is_refused_with_a_rule_scorer():
+    with pytest.raises(ValueError, match="normalize_reward=true applies to a learned model's scores"):
+        RewardConfig(scorer="positive_fraction", normalize_reward=True)
+
+
+@pytest.mark.parametrize("stats, complaint", [({}, "has no `mean`"), ({"mean": 0.0, "std": 0.0}, "std=0.0; expected a number > 0"),
+                                              ({"mean": "x", "std": 1.0}, "mean='x'; expected a finite number"),
+                                              ({"mean": 0.0, "std": float("inf")}, "std=inf; expected a finite number")])
+def test_reward_statistics_that_cannot_normalise_are_refused_naming_the_key(stats, complaint):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(normalize_reward=True, **stats)
+    with pytest.raises(ValueError, match=re.escape(complaint)) as caught:
+        reward_normalization(config, True, "normalize_reward")
+    assert str(caught.value).startswith("normalize_reward")
+    if not stats:  # following the checkpoint: normalize_reward without stats is OpenRLHF's identity
+        assert reward_normalization(config, None, "normalize_reward") == RewardNormalization()
 
 
 # --- OpenRLHF's remote reward client ------------------------------------------------------------
