@@ -260,6 +260,14 @@ class RewardClient:
         req = reward_pb2.ScoreRequest(texts=texts, prompts=prompts, labels=labels or [])
         return retrying(self.stub.Score, req, _convert_scores, f"{self.what} Score", self.cfg, "reward")
 
+    def score_conversations(self, conversations: list[list[dict[str, str]]],
+                            labels: list[str] | None = None) -> Pending[Scores]:
+        """Score chat conversations, the response last (the server renders them with its own chat template)."""
+        req = reward_pb2.ScoreRequest(labels=labels or [], conversations=[
+            reward_pb2.Conversation(messages=[reward_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+            for messages in conversations])
+        return retrying(self.stub.Score, req, _convert_scores, f"{self.what} Score", self.cfg, "reward")
+
     def close(self) -> None:
         self.channel.close()
 

@@ -45,11 +45,14 @@ class RewardConfig(RemoteConfig):
         "openrlhf: POST prompt and response texts (and labels) to `url`, any server speaking OpenRLHF's "
         "/get_reward protocol.",
     )
-    input: Literal["auto", "tokens", "text"] = Field(
+    input: Literal["auto", "tokens", "text", "chat"] = Field(
         "auto",
         description="What the reward server is sent (source: server): tokens (the policy's ids; the server must "
         "share the policy's tokenizer), text (decoded prompt and response strings; for a reward model with its "
-        "own tokenizer), auto (tokens when the server's vocabulary equals the policy's, else text).",
+        "own tokenizer), chat (each prompt's chat messages, then the response as an assistant message, which the "
+        "server renders with its reward model's own chat template: for a chat reward model with another tokenizer "
+        "or template than the policy's), auto (tokens when the server's vocabulary equals the policy's, else chat "
+        "when the server reports a chat template, else text).",
     )
     skip_special_tokens: bool = Field(True, description="Texts sent (input: text, or source: openrlhf) are decoded without the policy tokenizer's special tokens; false keeps them, so a chat reward model sees the chat template's markup and the EOS token, as OpenRLHF sends texts to its remote reward models.")
     url: str | None = Field(None, description="source: openrlhf: the endpoint, e.g. http://rm-host:8002/get_reward.")
@@ -416,6 +419,10 @@ class ActorConfig(StrictModel):
                 and len(est.reward_weights) != len(est.reward_components):
             raise ValueError(f"ppo.adv_estimator.reward_weights has {len(est.reward_weights)} entries but "
                              f"ppo.adv_estimator.reward_components has {len(est.reward_components)}")
+        if self.reward.input == "chat" and (self.reward.source != "server" or self.env.name is not None):
+            why = f"reward.source={self.reward.source}" if self.reward.source != "server" else f"env.name={self.env.name}"
+            raise ValueError(f"reward.input=chat sends conversations to our reward server for single-turn samples; "
+                             f"{why} scores otherwise: unset reward.input (auto)")
         if self.reward.source == "openrlhf" and not self.reward.url:
             raise ValueError("reward.source=openrlhf needs reward.url (e.g. http://host:8002/get_reward)")
         if self.loss_fn.truncated_importance_sampling_type and not self.loss_fn.use_importance_sampling_correction:

@@ -31,11 +31,13 @@ def resolve_data_file(spec: str) -> Path:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its token ids and its label (None when the line has none)."""
+    """One prompt: its token ids, its label (None when the line has none) and its chat messages (a string prompt is
+    one user message), which a chat reward model reads with the response after them (reward.input=chat)."""
 
     ids: list[int]
     label: Any = None
     where: str = ""  # "FILE:LINE", for error messages
+    messages: list[dict[str, str]] | None = None  # None: the decoded ids as one user message
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,11 @@ class PromptFormat:
         if self.system is not None and value[0]["role"] != "system":
             value = [{"role": "system", "content": self.system}, *value]
         return value
+
+    def conversation(self, value: Any) -> list[dict[str, str]]:
+        """The prompt as chat messages, as a chat reward model reads it: a string prompt (formatted by `template`)
+        is one user message, after the system message when there is one."""
+        return self.messages(value) or [{"role": "user", "content": self.text(value)}]
 
     def text(self, prompt: str) -> str:
         return prompt if self.template is None else self.template.format(prompt)
@@ -131,7 +138,7 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
             if len(ids) > max_length:
                 raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than "
                                 f"data.max_input_seq_length={max_length}")
-            prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}"))
+            prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}", fmt.conversation(obj[key])))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts

@@ -127,7 +127,7 @@ class _Ready:
         return self.scores
 
 
-def environment_rewards(r: Rollout, labels: list[Any] | None) -> _Ready:
+def environment_rewards(r: Rollout, prompts: list[Prompt], labels: list[Any] | None) -> _Ready:
     """The rewards the episodes of `r` earned, as the collector's reward request."""
     assert r.rewards is not None
     return _Ready((r.rewards, {}))

@@ -32,8 +32,8 @@ from .generation import GenerationBackend, Rollout, SamplingParams, concat_rollo
 from .models import Reference
 from .tracking import Timers
 
-# (rollout, labels or None) -> the reward request in flight
-ScoreFn = Callable[[Rollout, list[Any] | None], Pending[Scores]]
+# (rollout, the prompt of each of its rows, labels or None) -> the reward request in flight
+ScoreFn = Callable[[Rollout, list[Prompt], list[Any] | None], Pending[Scores]]
 
 
 class DynamicSamplingError(RuntimeError):
@@ -115,7 +115,7 @@ def decoded_texts(tokenizer: PreTrainedTokenizerBase, r: Rollout,
 
 
 def token_scorer(client: RewardClient) -> ScoreFn:
-    def score(r: Rollout, labels: list[Any] | None) -> Pending[Scores]:
+    def score(r: Rollout, prompts: list[Prompt], labels: list[Any] | None) -> Pending[Scores]:
         return client.score_tokens(r.tokens, r.lengths, r.prompt_lengths,
                                    None if labels is None else [label_text(x) for x in labels])
     return score
@@ -127,11 +127,27 @@ def text_scorer(client: RewardClient | OpenRLHFRewardClient, tokenizer: PreTrain
     OpenRLHF's JSON protocol."""
     as_text = isinstance(client, RewardClient)
 
-    def score(r: Rollout, labels: list[Any] | None) -> Pending[Scores]:
-        texts, prompts = decoded_texts(tokenizer, r, skip_special_tokens)
+    def score(r: Rollout, prompts: list[Prompt], labels: list[Any] | None) -> Pending[Scores]:
+        texts, prompt_texts = decoded_texts(tokenizer, r, skip_special_tokens)
         if labels is not None and as_text:
             labels = [label_text(x) for x in labels]
-        return client.score_texts(texts, prompts, labels)
+        return client.score_texts(texts, prompt_texts, labels)
+    return score
+
+
+def chat_scorer(client: RewardClient, tokenizer: PreTrainedTokenizerBase) -> ScoreFn:
+    """Conversations to a chat reward model, which renders them with its own chat template: each prompt's messages,
+    then the response, decoded without the policy tokenizer's special tokens (its chat markup and EOS), as an
+    assistant message."""
+    def score(r: Rollout, prompts: list[Prompt], labels: list[Any] | None) -> Pending[Scores]:
+        conversations = []
+        for i, prompt in enumerate(prompts):
+            p, n = int(r.prompt_lengths[i]), int(r.lengths[i])
+            messages = prompt.messages or [
+                {"role": "user", "content": tokenizer.decode(r.tokens[i, :p], skip_special_tokens=True)}]
+            response = tokenizer.decode(r.tokens[i, p:n], skip_special_tokens=True)
+            conversations.append([*messages, {"role": "assistant", "content": response}])
+        return client.score_conversations(conversations, None if labels is None else [label_text(x) for x in labels])
     return score
 
 
@@ -206,7 +222,8 @@ class RolloutCollector:
             with t("transfer"):  # requests encoded and sent; the replies are awaited below
                 values = (self.critic.infer(r.tokens, r.lengths)
                           if self.critic is not None and (train or self.score is None) else None)
-                scores = self.score(r, chunk_labels) if self.score is not None else values.then(lambda vr: (vr[1], {}))
+                scores = (self.score(r, rows[i:i + step], chunk_labels) if self.score is not None
+                          else values.then(lambda vr: (vr[1], {})))
             lp = ref = None
             if train:
                 with torch_threads(self.shared_threads):

@@ -14,7 +14,7 @@ from serving.security import load_token
 from .clients import CriticClient, IncompatibleServer, OpenRLHFRewardClient, RewardClient, check_compatible
 from .config import ActorConfig
 from .data import Prompt, require_labels
-from .rollouts import ScoreFn, text_scorer, token_scorer
+from .rollouts import ScoreFn, chat_scorer, text_scorer, token_scorer
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,13 @@ class Servers:
             require_labels(self.val_prompts, cfg.data.label_key, why_labels)
         self._require_components(tuple(info.components))
         same_vocab = info.vocab_sha256 == sha
+        if cfg.reward.input == "chat" or (cfg.reward.input == "auto" and not same_vocab and info.chat_template):
+            if info.kind == "model" and not info.chat_template:
+                raise IncompatibleServer(f"reward.input=chat: the reward server {cfg.reward.address} ({info.model}) "
+                                         "has no chat template to render conversations with; use reward.input=text")
+            log.info("reward server %s (%s) gets conversations, rendered with its own chat template%s",
+                     cfg.reward.address, info.model, "" if same_vocab else ": its tokenizer differs from the policy's")
+            return chat_scorer(self.reward, self.tokenizer)
         if cfg.reward.input == "text" or (cfg.reward.input == "auto" and not same_vocab):
             log.info("reward server %s (%s) gets decoded texts%s", cfg.reward.address, info.model,
                      "" if same_vocab else ": its tokenizer differs from the policy's")

@@ -115,6 +115,7 @@ class RewardCore:
             "vocab_sha256": self.vocab_sha256,
             "components": [component_name(s) for s in self.component_scorers],
             "needs_labels": self.cfg.scorer is not None and SCORERS[self.cfg.scorer].needs_labels,
+            "chat_template": self.model is not None and self.tokenizer.chat_template is not None,
         }
 
     # --- validation -----------------------------------------------------------------------------
@@ -127,18 +128,24 @@ class RewardCore:
         texts: list[str] | None = None,
         prompts: list[str] | None = None,
         labels: list[str] | None = None,
+        conversations: list[list[dict[str, str]]] | None = None,
         texts_field: str = "texts",
     ) -> ScoreInput:
         """Check one request and bring it into the form `score_batch` takes. Raises InvalidArgument naming the
-        field. `texts_field` is how the caller's protocol calls the texts (`query` in OpenRLHF's)."""
-        texts, prompts, labels = texts or [], prompts or [], labels or []
-        if (tokens is None) == (not texts):
-            got = "both" if tokens is not None else "neither"
-            raise InvalidArgument(f"tokens, {texts_field}: send exactly one of them, got {got}")
+        field. `texts_field` is how the caller's protocol calls the texts (`query` in OpenRLHF's); `conversations`
+        are lists of {"role", "content"} messages, the response last."""
+        texts, prompts, labels, conversations = texts or [], prompts or [], labels or [], conversations or []
+        sent = [name for name, given in (("tokens", tokens is not None), (texts_field, bool(texts)),
+                                         ("conversations", bool(conversations))) if given]
+        if len(sent) != 1:
+            named = f"tokens, {texts_field}" + (", conversations" if texts_field == "texts" else "")
+            raise InvalidArgument(f"{named}: send exactly one of them, got {' and '.join(sent) or 'none'}")
         if tokens is not None:
             inp = self._validate_tokens(tokens, lengths, prompt_lengths, prompts)
-        else:
+        elif texts:
             inp = self._validate_texts(texts, lengths, prompt_lengths, prompts, texts_field)
+        else:
+            inp = self._validate_conversations(conversations, lengths, prompt_lengths, prompts)
         if labels:
             _check_count(labels, "labels", inp.rows)
             inp.labels = list(labels)
@@ -189,6 +196,35 @@ class RewardCore:
             inp.responses = [text.removeprefix(prompt) for text, prompt in zip(texts, prompts)]
         if self.model is not None:
             inp.tokens, inp.lengths = self._tokenize(texts, texts_field)
+        return inp
+
+    def _validate_conversations(self, conversations, lengths, prompt_lengths, prompts) -> ScoreInput:
+        for name, value in (("lengths", lengths), ("prompt_lengths", prompt_lengths), ("prompts", prompts or None)):
+            if value is not None:
+                raise InvalidArgument(f"{name}: not used with conversations (each carries its prompt's messages)")
+        for i, messages in enumerate(conversations):
+            if not messages:
+                raise InvalidArgument(f"conversations[{i}].messages: empty; expected the prompt's messages, then the "
+                                      f"response as an assistant message")
+            for k, message in enumerate(messages):
+                if not message["role"]:
+                    raise InvalidArgument(f"conversations[{i}].messages[{k}].role: empty")
+            if messages[-1]["role"] != "assistant":
+                raise InvalidArgument(f"conversations[{i}].messages[{len(messages) - 1}].role: the last message is "
+                                      f"the response, so its role must be 'assistant', got {messages[-1]['role']!r}")
+        inp = ScoreInput(rows=len(conversations), responses=[messages[-1]["content"] for messages in conversations])
+        if self.model is not None:
+            if self.tokenizer.chat_template is None:
+                raise InvalidArgument("conversations: the reward model's tokenizer has no chat template (GetInfo's "
+                                      "chat_template is false); send texts")
+            rendered = []
+            for i, messages in enumerate(conversations):
+                try:
+                    rendered.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+                except Exception as e:  # noqa: BLE001 - the template's own complaint, e.g. roles must alternate
+                    raise InvalidArgument(f"conversations[{i}]: the reward model's chat template refused it: "
+                                          f"{type(e).__name__}: {e}") from None
+            inp.tokens, inp.lengths = self._tokenize(rendered, "conversations")
         return inp
 
     def _tokenize(self, texts: list[str], field: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             texts=list(request.texts),
             prompts=list(request.prompts),
             labels=list(request.labels),
+            conversations=[[{"role": m.role, "content": m.content} for m in c.messages] for c in request.conversations],
         )
         rewards, components = await worker.run_batched("Score", inp.rows, inp, self.core.score_batch)
         reply = reward_pb2.ScoreResponse(rewards=encode(rewards))

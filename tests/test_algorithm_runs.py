@@ -17,8 +17,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from actor.clients import RewardClient
 from actor.config import RewardConfig
+from actor.data import Prompt
 from actor.generation import Rollout
-from actor.rollouts import text_scorer, token_scorer
+from actor.rollouts import chat_scorer, text_scorer, token_scorer
 from tests.service_procs import ROOT, ServiceProcess, free_port
 
 SMALL = ["checkpointing.enabled=false", "ppo.val_period=0", "ppo.num_prompts_per_step=8",
@@ -91,18 +92,23 @@ def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_cache, embedded_
                       torch.ones(3, dtype=torch.bool))
     with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
         client = RewardClient(RewardConfig(address=server.address))
-        rewards, _ = token_scorer(client)(rollout, ["good", "good", "bad"]).result()
+        prompts = [Prompt(prompt, messages=[{"role": "user", "content": "river =>"}])] * 3
+        rewards, _ = token_scorer(client)(rollout, prompts, ["good", "good", "bad"]).result()
         assert rewards.tolist() == [1.0, 0.0, 0.0]
-        rewards, _ = text_scorer(client, tok)(rollout, ["good", "bad", {"not": "good"}]).result()
+        rewards, _ = text_scorer(client, tok)(rollout, prompts, ["good", "bad", {"not": "good"}]).result()
         assert rewards.tolist() == [1.0, 1.0, 0.0]
+        rewards, _ = chat_scorer(client, tok)(rollout, prompts, ["good", "good", "bad"]).result()
+        assert rewards.tolist() == [1.0, 0.0, 0.0]
         # a response that ended with EOS: its text has the EOS token only with reward.skip_special_tokens=false
         ended = [prompt + good + [tok.eos_token_id]]
         ended = Rollout(torch.tensor(ended), torch.tensor([len(ended[0])]), torch.tensor([len(prompt)]),
                         torch.ones(1, dtype=torch.bool))
         labels = ["good", f"good {tok.eos_token}"]
-        assert [text_scorer(client, tok)(ended, [x]).result()[0].item() for x in labels] == [1.0, 0.0]
-        assert [text_scorer(client, tok, skip_special_tokens=False)(ended, [x]).result()[0].item()
+        assert [text_scorer(client, tok)(ended, prompts[:1], [x]).result()[0].item() for x in labels] == [1.0, 0.0]
+        assert [text_scorer(client, tok, skip_special_tokens=False)(ended, prompts[:1], [x]).result()[0].item()
                 for x in labels] == [0.0, 1.0]
+        # a conversation's response never carries the policy's special tokens
+        assert [chat_scorer(client, tok)(ended, prompts[:1], [x]).result()[0].item() for x in labels] == [1.0, 0.0]
         client.close()
 
 
@@ -130,6 +136,35 @@ def test_a_reward_model_with_its_own_tokenizer_gets_texts(embedded_cache, permut
         run = run_actor("grpo", tmp_path / "run2", *SMALL, "reward.input=tokens", f"reward.address={server.address}",
                         critic_dead())
         assert run.returncode == 1 and "reward.input=text" in run.stderr, run.stderr[-2000:]
+        run = run_actor("grpo", tmp_path / "run3", *SMALL, "reward.input=chat", f"reward.address={server.address}",
+                        critic_dead())
+        assert run.returncode == 1 and "has no chat template to render conversations with" in run.stderr, \
+            run.stderr[-2000:]
+
+
+def test_a_chat_reward_model_gets_conversations_rendered_by_its_own_template(permuted_reward_model, log_dir,
+                                                                            tmp_path):
+    """A reward model whose tokenizer differs from the policy's and has a chat template: `auto` sends each prompt's
+    messages and the response, which the server renders with that template. The template here renders them as the
+    plain text the model was trained on, so the same run sending texts gets the same rewards."""
+    import shutil
+
+    shutil.copytree(permuted_reward_model, tmp_path / "chat-rm")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "chat-rm")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
+    tok.save_pretrained(tmp_path / "chat-rm")
+    with ServiceProcess("reward", "--model", str(tmp_path / "chat-rm"), "components=[positive_fraction]",
+                        log_dir=log_dir) as server:
+        run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=1", f"reward.address={server.address}",
+                        critic_dead())
+        texts = run_actor("grpo", tmp_path / "texts", *SMALL, "ppo.max_num_steps=1", "reward.input=text",
+                          f"reward.address={server.address}", critic_dead())
+    assert run.returncode == 0 and texts.returncode == 0, (run.stderr + texts.stderr)[-3000:]
+    assert "gets conversations, rendered with its own chat template: its tokenizer differs" in run.stderr
+    row, text_row = metrics(tmp_path / "run")[0], metrics(tmp_path / "texts")[0]
+    assert 0.0 <= row["train_rollouts/rewards"] <= 1.1 and "train_rollouts/reward/positive_fraction" in row
+    for key in ("train_rollouts/rewards", "train_rollouts/reward/positive_fraction"):
+        assert row[key] == pytest.approx(text_row[key], abs=1e-6), key
 
 
 def test_a_rule_scorer_with_another_tokenizer_names_its_tokenizer_key(embedded_cache, permuted_reward_model,

@@ -238,3 +238,17 @@ def test_compatibility_checks_say_what_differs():
     small = reward_pb2.RewardInfo(model="r", vocab_size=40, max_length=64)
     with pytest.raises(IncompatibleServer, match="vocab size 40, smaller than the policy's 51"):
         check_compatible("reward", small, "abc", 51, 20, "x")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["reward.input=chat", "reward.source=openrlhf", "reward.url=http://h:8002/get_reward"],
+     ["reward.input=chat", "reward.source=openrlhf", "unset reward.input"]),
+    (["reward.input=chat", "env.name=retry_with_feedback", "ppo.max_rollout_turns=2"],
+     ["reward.input=chat", "env.name=retry_with_feedback"]),
+    (["reward.input=speech"], ["reward.input", "'chat'", "'text'"]),
+])
+def test_chat_reward_input_is_refused_where_nothing_would_send_conversations(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(ActorConfig, None, overrides)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))

@@ -165,6 +165,7 @@ def test_get_info(stub, tokenizer):
     assert info.max_length == 64
     assert info.vocab_sha256 == vocab_sha256(tokenizer)
     assert list(info.components) == ["reward/positive_fraction"]
+    assert not info.chat_template  # the embedded tokenizer has none
 
 
 def test_score_tokens_matches_in_process_model(stub, tokenizer, reference_model):
@@ -268,7 +269,24 @@ def _requests_with_errors(tokenizer) -> list[tuple[str, reward_pb2.ScoreRequest,
         ("empty text", reward_pb2.ScoreRequest(texts=["", "good"]), "texts[0]"),
         ("lengths with texts", reward_pb2.ScoreRequest(texts=["good"], lengths=encode(torch.tensor([1]))),
          "lengths"),
+        ("texts and conversations", reward_pb2.ScoreRequest(texts=["good"], conversations=[chat("x =>", "good")]),
+         "tokens, texts, conversations"),
+        ("response not last", reward_pb2.ScoreRequest(conversations=[chat("x =>", "good", last="user")]),
+         "conversations[0].messages[1].role"),
+        ("empty conversation", reward_pb2.ScoreRequest(conversations=[reward_pb2.Conversation()]),
+         "conversations[0].messages"),
+        ("empty role", reward_pb2.ScoreRequest(conversations=[chat("x =>", "good", first="")]),
+         "conversations[0].messages[0].role"),
+        ("prompts with conversations", reward_pb2.ScoreRequest(conversations=[chat("x =>", "good")], prompts=["x"]),
+         "prompts"),
+        # the embedded reward model's tokenizer has no chat template
+        ("no chat template", reward_pb2.ScoreRequest(conversations=[chat("x =>", "good")]), "conversations"),
     ]
+
+
+def chat(prompt: str, response: str, first: str = "user", last: str = "assistant") -> reward_pb2.Conversation:
+    return reward_pb2.Conversation(messages=[reward_pb2.ChatMessage(role=first, content=prompt),
+                                             reward_pb2.ChatMessage(role=last, content=response)])
 
 
 def test_bad_requests_are_invalid_argument_naming_the_field(stub, tokenizer):
@@ -427,6 +445,58 @@ def test_a_model_without_a_trained_reward_head_is_refused_at_start(embedded_asse
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"{embedded_assets.policy} has no weights for the reward head (score.weight): it is not a reward model" \
         in proc.stderr
+
+
+# --- chat reward models ------------------------------------------------------------------------------
+
+# Renders a conversation as the embedded reward model reads text: "prompt response"; refuses two user turns in a row.
+CHAT_TEMPLATE = ("{% for m in messages %}{% if loop.index0 and m['role'] == 'user' and messages[loop.index0 - 1]['role'] "
+                 "== 'user' %}{{ raise_exception('user turns must alternate with assistant ones') }}{% endif %}"
+                 "{% if m['role'] == 'assistant' %}{{ m['content'] }}{% else %}{{ m['content'] }} {% endif %}"
+                 "{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def chat_server(embedded_assets, log_dir, tmp_path_factory):
+    """The embedded reward model with a chat template in its tokenizer."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("chat-rm") / "rm"
+    shutil.copytree(embedded_assets.reward_model, path)
+    tok = load_tokenizer(str(path))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    with ServiceProcess("reward", "--model", str(path), "components=[positive_fraction]", log_dir=log_dir) as proc:
+        yield proc
+
+
+def test_conversations_are_rendered_by_the_reward_models_chat_template(chat_server, tokenizer, reference_model):
+    """A chat reward model scores each conversation as its template renders it; rule components read the response,
+    the last message."""
+    samples = make_samples(83, 5)
+    channel, stub = open_stub(chat_server)
+    assert stub.GetInfo(common_pb2.GetInfoRequest()).chat_template
+    reply = stub.Score(reward_pb2.ScoreRequest(conversations=[chat(p, r) for p, r in samples]), timeout=60)
+    refused = None
+    try:
+        stub.Score(reward_pb2.ScoreRequest(conversations=[chat("x =>", "good"), reward_pb2.Conversation(messages=[
+            reward_pb2.ChatMessage(role="user", content="a"), reward_pb2.ChatMessage(role="user", content="b"),
+            reward_pb2.ChatMessage(role="assistant", content="good")])]), timeout=60)
+    except grpc.RpcError as e:
+        refused = e
+    channel.close()
+    torch.testing.assert_close(decode(reply.rewards, "rewards"), expected_rewards(reference_model, tokenizer, samples),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode(reply.components["reward/positive_fraction"], "c"), truth(samples))
+    assert refused is not None and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details().startswith("conversations[1]: the reward model's chat template refused it")
+    assert "user turns must alternate" in refused.details()
+
+
+def test_a_rule_scorer_scores_the_last_message_of_each_conversation(rule_stub):
+    reply = rule_stub.Score(reward_pb2.ScoreRequest(conversations=[chat("x =>", "good good bad great"),
+                                                                   chat("y =>", "bad")]), timeout=60)
+    torch.testing.assert_close(decode(reply.rewards, "rewards"), torch.tensor([0.75, 0.0]))
 
 
 # --- OpenRLHF's reward model checkpoints ---------------------------------------------------------

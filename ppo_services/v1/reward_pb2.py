@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ppo_services.v1 import common_pb2 as ppo__services_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cppo_services/v1/reward.proto\x12\x0fppo_services.v1\x1a\x1cppo_services/v1/common.proto\"\xc2\x01\n\x0cScoreRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12/\n\x0eprompt_lengths\x18\x03 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\r\n\x05texts\x18\x04 \x03(\t\x12\x0f\n\x07prompts\x18\x05 \x03(\t\x12\x0e\n\x06labels\x18\x06 \x03(\t\"\xc9\x01\n\rScoreResponse\x12(\n\x07rewards\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\x42\n\ncomponents\x18\x02 \x03(\x0b\x32..ppo_services.v1.ScoreResponse.ComponentsEntry\x1aJ\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor:\x02\x38\x01\"\x91\x01\n\nRewardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nmax_length\x18\x04 \x01(\x03\x12\x14\n\x0cvocab_sha256\x18\x05 \x01(\t\x12\x12\n\ncomponents\x18\x06 \x03(\t\x12\x14\n\x0cneeds_labels\x18\x07 \x01(\x08\x32\xa0\x01\n\rRewardService\x12\x46\n\x05Score\x12\x1d.ppo_services.v1.ScoreRequest\x1a\x1e.ppo_services.v1.ScoreResponse\x12G\n\x07GetInfo\x12\x1f.ppo_services.v1.GetInfoRequest\x1a\x1b.ppo_services.v1.RewardInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cppo_services/v1/reward.proto\x12\x0fppo_services.v1\x1a\x1cppo_services/v1/common.proto\"\xf8\x01\n\x0cScoreRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12/\n\x0eprompt_lengths\x18\x03 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\r\n\x05texts\x18\x04 \x03(\t\x12\x0f\n\x07prompts\x18\x05 \x03(\t\x12\x0e\n\x06labels\x18\x06 \x03(\t\x12\x34\n\rconversations\x18\x07 \x03(\x0b\x32\x1d.ppo_services.v1.Conversation\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\">\n\x0c\x43onversation\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.ppo_services.v1.ChatMessage\"\xc9\x01\n\rScoreResponse\x12(\n\x07rewards\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\x42\n\ncomponents\x18\x02 \x03(\x0b\x32..ppo_services.v1.ScoreResponse.ComponentsEntry\x1aJ\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor:\x02\x38\x01\"\xa8\x01\n\nRewardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nmax_length\x18\x04 \x01(\x03\x12\x14\n\x0cvocab_sha256\x18\x05 \x01(\t\x12\x12\n\ncomponents\x18\x06 \x03(\t\x12\x14\n\x0cneeds_labels\x18\x07 \x01(\x08\x12\x15\n\rchat_template\x18\x08 \x01(\x08\x32\xa0\x01\n\rRewardService\x12\x46\n\x05Score\x12\x1d.ppo_services.v1.ScoreRequest\x1a\x1e.ppo_services.v1.ScoreResponse\x12G\n\x07GetInfo\x12\x1f.ppo_services.v1.GetInfoRequest\x1a\x1b.ppo_services.v1.RewardInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORERESPONSE_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESPONSE_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_SCOREREQUEST']._serialized_start=80
-  _globals['_SCOREREQUEST']._serialized_end=274
-  _globals['_SCORERESPONSE']._serialized_start=277
-  _globals['_SCORERESPONSE']._serialized_end=478
-  _globals['_SCORERESPONSE_COMPONENTSENTRY']._serialized_start=404
-  _globals['_SCORERESPONSE_COMPONENTSENTRY']._serialized_end=478
-  _globals['_REWARDINFO']._serialized_start=481
-  _globals['_REWARDINFO']._serialized_end=626
-  _globals['_REWARDSERVICE']._serialized_start=629
-  _globals['_REWARDSERVICE']._serialized_end=789
+  _globals['_SCOREREQUEST']._serialized_end=328
+  _globals['_CHATMESSAGE']._serialized_start=330
+  _globals['_CHATMESSAGE']._serialized_end=374
+  _globals['_CONVERSATION']._serialized_start=376
+  _globals['_CONVERSATION']._serialized_end=438
+  _globals['_SCORERESPONSE']._serialized_start=441
+  _globals['_SCORERESPONSE']._serialized_end=642
+  _globals['_SCORERESPONSE_COMPONENTSENTRY']._serialized_start=568
+  _globals['_SCORERESPONSE_COMPONENTSENTRY']._serialized_end=642
+  _globals['_REWARDINFO']._serialized_start=645
+  _globals['_REWARDINFO']._serialized_end=813
+  _globals['_REWARDSERVICE']._serialized_start=816
+  _globals['_REWARDSERVICE']._serialized_end=976
 # @@protoc_insertion_point(module_scope)

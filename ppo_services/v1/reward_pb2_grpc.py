@@ -54,8 +54,8 @@ class RewardServiceServicer:
 
     def Score(self, request, context):
         """One reward per sample, and optionally several named components. Send either `tokens` with
-        `lengths` (and `prompt_lengths` for rule-based scorers) or `texts`. Concurrent calls are merged
-        by the server's dynamic batcher.
+        `lengths` (and `prompt_lengths` for rule-based scorers), `texts`, or `conversations`. Concurrent
+        calls are merged by the server's dynamic batcher.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
