@@ -224,7 +224,7 @@ def bad_tag(rng: random.Random) -> str:
 
 def bad_score(rng: random.Random) -> reward_pb2.ScoreRequest:
     b, s = rng.randint(1, 4), rng.randint(1, 12)
-    flaw = rng.randrange(8)
+    flaw = rng.randrange(9)
     tokens, lengths = encode(_tokens(b, s, rng)), encode(torch.full((b,), s))
     if flaw == 0:
         return reward_pb2.ScoreRequest(tokens=garbage_tensor(rng), lengths=lengths)
@@ -242,6 +242,18 @@ def bad_score(rng: random.Random) -> reward_pb2.ScoreRequest:
         return reward_pb2.ScoreRequest(texts=["good day"] * b, labels=["x"] * (b + 2))
     if flaw == 6:  # a text with no tokens, or too many
         return reward_pb2.ScoreRequest(texts=rng.choice([[""], ["good " * (MAX_LENGTH + 5)]]))
+    if flaw == 7:  # conversations: malformed, mixed with texts, or (this model has no chat template) any at all
+        def message(role: str) -> reward_pb2.ChatMessage:
+            return reward_pb2.ChatMessage(role=role, content=rng.choice(["good day", "", "x =>"]))
+        good = reward_pb2.Conversation(messages=[message("user"), message("assistant")])
+        return rng.choice([
+            reward_pb2.ScoreRequest(conversations=[reward_pb2.Conversation()] * b),
+            reward_pb2.ScoreRequest(conversations=[reward_pb2.Conversation(messages=[message("assistant"),
+                                                                                     message(rng.choice(["user", ""]))])]),
+            reward_pb2.ScoreRequest(conversations=[good], texts=["good day"]),
+            reward_pb2.ScoreRequest(conversations=[good], prompts=["x"]),
+            reward_pb2.ScoreRequest(conversations=[good] * b),
+        ])
     return reward_pb2.ScoreRequest(tokens=tokens)  # lengths missing
 
 
@@ -308,6 +320,11 @@ def test_malformed_reward_requests_get_invalid_argument(reward):
     for field in (4, 5, 6):
         expect("reward Score invalid UTF-8", call(ch, REWARD + "Score", invalid_utf8_string_field(field)), {INVALID},
                field)
+    for field in (1, 2):  # a conversation's message's role or content
+        message = invalid_utf8_string_field(field)
+        conversation = bytes([1 << 3 | 2, len(message)]) + message
+        expect("reward Score invalid UTF-8", call(ch, REWARD + "Score", bytes([7 << 3 | 2, len(conversation)]) +
+                                                  conversation), {INVALID}, field)
     assert report("reward") >= 400
 
 
