@@ -1,13 +1,12 @@
 """The embedded default: the task, the cached build, and whether PPO can learn from its models.
 
-One build per session (about 30 s on one core), in $PPO_SERVICES_CACHE if set so CI can reuse it,
-else in a temporary directory.
+One build per session (about 45 s on one core), shared with the other tests (tests/conftest.py's
+embedded_cache_dir: $PPO_SERVICES_CACHE, else .cache/test).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,9 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get(embedded.CACHE_ENV)
-    return Path(env) if env else tmp_path_factory.mktemp("ppo-services-cache")
+def cache_dir(embedded_cache_dir: Path) -> Path:
+    return embedded_cache_dir
 
 
 _BUILT_THIS_SESSION: list[bool] = []
