@@ -66,34 +66,3 @@ def openrlhf_reward_model(embedded_assets, tmp_path_factory) -> Path:
     (path / "config.json").write_text(json.dumps(config))
     return path
 
-
-# Scheduling under xdist (`make test`: two workers, one test file each at a time, files handed out in the order
-# below). The embedded build takes about 45 s on one core; the first test that needs it builds it and every other one
-# that needs it waits. So the longest file that needs it goes first (one worker builds), then the files that need
-# no build (the benches' harnesses, the unit tests: the other worker runs them meanwhile), then the rest longest
-# first, so the two workers end close together. Seconds per file, measured on a 2-core machine with a cold inductor
-# cache (`--junitxml`, summed per file, the build left out); a file not listed counts as short. Only the order
-# depends on them: a stale figure costs balance, never a result.
-_BUILD_FIXTURES = {"embedded_cache_dir"}
-_SECONDS = {"test_algorithm_runs.py": 170, "test_faults.py": 130, "test_compile.py": 120, "test_critic_server.py": 100,
-            "test_model_features.py": 90, "test_end_to_end.py": 75, "test_bench_trl.py": 65, "test_security.py": 60,
-            "test_async.py": 50, "test_reward_server.py": 50, "test_embedded.py": 45, "test_bench_service_split.py": 25,
-            "test_demo.py": 22, "test_fuzz.py": 22, "test_generation.py": 22, "test_multiturn.py": 18}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def file_of(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0]
-
-    builds = {file_of(item) for item in items if _BUILD_FIXTURES & set(getattr(item, "fixturenames", ()))}
-
-    def seconds(f: str) -> int:
-        return _SECONDS.get(Path(f).name, 5)
-
-    first = min(builds, key=lambda f: (-seconds(f), f), default=None)
-
-    def rank(item: pytest.Item) -> tuple[int, int, str]:
-        f = file_of(item)
-        return (0 if f == first else 1 if f not in builds else 2), -seconds(f), f
-
-    items.sort(key=rank)  # stable: tests keep their order within a file
