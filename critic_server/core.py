@@ -23,7 +23,6 @@ from embedded import resolve_model
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.modeling import (
     TORCH_DTYPES,
-    RewardNormalization,
     compiled,
     copy_remote_code,
     last_token_scores,
@@ -127,9 +126,7 @@ class CriticCore:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")
             self.max_length = min(self.max_length, max_length_of(self.reward_model))
             self.normalize_reward = reward_normalization(self.reward_model.config, cfg.normalize_reward,
-                                                         "normalize_reward")
-            if self.normalize_reward != RewardNormalization():
-                log.info("combined rewards reported as %s (%s's config.json)", self.normalize_reward, cfg.reward_model)
+                                                         "normalize_reward", cfg.reward_model)
         if cfg.compile:  # compiled now, before ready, not at the first Infer and Train
             seconds = warm_up(self.scores, [self.model, *([self.reward_model] if self.reward_model else [])],
                               self.device, train=self.model)
@@ -183,7 +180,8 @@ class CriticCore:
             tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
             all_values[idx, :w] = self.scores(self.model, tok, n).cpu()
             if all_rewards is not None:
-                all_rewards[idx] = self.normalize_reward(last_token_scores(self.scores(self.reward_model, tok, n), n)).cpu()
+                rewards = last_token_scores(self.scores(self.reward_model, tok, n), n)
+                all_rewards[idx] = self.normalize_reward(rewards).cpu()
         out, row = [], 0
         for t, _ in requests:
             b, s = t.shape

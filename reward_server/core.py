@@ -15,7 +15,6 @@ from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
     TORCH_DTYPES,
-    RewardNormalization,
     by_length,
     compiled,
     last_token_scores,
@@ -83,9 +82,8 @@ class RewardCore:
                                                 trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
             self.model.requires_grad_(False)
             self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
-            self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward")
-            if self.normalize_reward != RewardNormalization():
-                log.info("rewards reported as %s (%s's config.json)", self.normalize_reward, cfg.model)
+            self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",
+                                                         cfg.model)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path, cfg.trust_remote_code)
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)

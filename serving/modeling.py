@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import shutil
 import time
@@ -32,6 +33,8 @@ from transformers import (
 )
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -338,12 +341,13 @@ class RewardNormalization:
         return (scores - self.mean) / self.std
 
 
-def reward_normalization(config: PretrainedConfig, setting: bool | None, key: str) -> RewardNormalization:
-    """How a reward model's scores are normalised, from its config: OpenRLHF's reward models trained with
-    `--normalize_reward` carry `normalize_reward: true` and their scores' `mean` and `std` in config.json, and OpenRLHF
-    reports `(score - mean) / std` from them. `setting` (the server's `key`) None follows the checkpoint's own
-    `normalize_reward` (without stats that is the identity, as in OpenRLHF); True requires the stats; False never
-    normalises. Stats that are not a finite number, or a std that is not > 0, are refused, naming `key`."""
+def reward_normalization(config: PretrainedConfig, setting: bool | None, key: str, source: str) -> RewardNormalization:
+    """How the scores of reward model `source` are normalised, from its config (logged when they are): OpenRLHF's
+    reward models trained with `--normalize_reward` carry `normalize_reward: true` and their scores' `mean` and `std`
+    in config.json, and OpenRLHF reports `(score - mean) / std` from them. `setting` (the server's `key`) None follows
+    the checkpoint's own `normalize_reward` (without stats that is the identity, as in OpenRLHF); True requires the
+    stats; False never normalises. Stats that are not a finite number, or a std that is not > 0, are refused, naming
+    `key`."""
     wanted = bool(getattr(config, "normalize_reward", False)) if setting is None else setting
     stats = {name: getattr(config, name, None) for name in ("mean", "std")}
     if not wanted or (setting is None and None in stats.values()):
@@ -356,7 +360,9 @@ def reward_normalization(config: PretrainedConfig, setting: bool | None, key: st
             raise ValueError(f"{key}: the reward model's config.json has {name}={value!r}; expected a finite number")
     if stats["std"] <= 0:
         raise ValueError(f"{key}: the reward model's config.json has std={stats['std']!r}; expected a number > 0")
-    return RewardNormalization(float(stats["mean"]), float(stats["std"]))
+    normalization = RewardNormalization(float(stats["mean"]), float(stats["std"]))
+    log.info("rewards of %s reported as %s (its config.json's mean and std)", source, normalization)
+    return normalization
 
 
 def max_length_of(model: PreTrainedModel | PretrainedConfig) -> int:

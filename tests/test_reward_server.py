@@ -514,6 +514,8 @@ def test_an_openrlhf_reward_model_scores_as_openrlhf_reports_it(openrlhf_reward_
         channel, stub = open_stub(proc)
         reply = stub.Score(token_request(tokenizer, samples), timeout=60)
         channel.close()
+        said = "reported as (score - 0.25) / 2 (its config.json's mean and std)" in proc.log()
+    assert said == (setting is None)  # the start-up log says when rewards are normalised
     raw = expected_rewards(reference_model, tokenizer, samples)
     expected = raw if setting == "false" else (raw - OPENRLHF_MEAN) / OPENRLHF_STD
     torch.testing.assert_close(decode(reply.rewards, "rewards"), expected, atol=1e-5, rtol=1e-5)
@@ -539,10 +541,10 @@ def test_reward_statistics_that_cannot_normalise_are_refused_naming_the_key(stat
 
     config = LlamaConfig(normalize_reward=True, **stats)
     with pytest.raises(ValueError, match=re.escape(complaint)) as caught:
-        reward_normalization(config, True, "normalize_reward")
+        reward_normalization(config, True, "normalize_reward", "rm")
     assert str(caught.value).startswith("normalize_reward")
     if not stats:  # following the checkpoint: normalize_reward without stats is OpenRLHF's identity
-        assert reward_normalization(config, None, "normalize_reward") == RewardNormalization()
+        assert reward_normalization(config, None, "normalize_reward", "rm") == RewardNormalization()
 
 
 # --- OpenRLHF's remote reward client ------------------------------------------------------------
