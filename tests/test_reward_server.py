@@ -528,9 +528,14 @@ def test_normalize_reward_without_the_statistics_is_refused_at_start_naming_the_
     assert "normalize_reward=true: the reward model's config.json has no `mean`" in done.stderr
 
 
-def test_normalize_reward_is_refused_with_a_rule_scorer():
-    with pytest.raises(ValueError, match="normalize_reward=true applies to a learned model's scores"):
-        RewardConfig(scorer="positive_fraction", normalize_reward=True)
+@pytest.mark.parametrize("service, extra, words", [
+    ("reward_server", ["--scorer", "positive_fraction"], "normalize_reward=true applies to a learned model's scores"),
+    ("critic_server", [], "normalize_reward=true applies to the combined reward model's scores, and no reward_model"),
+])
+def test_normalize_reward_without_a_reward_model_to_normalise_is_a_config_error(service, extra, words):
+    done = subprocess.run([sys.executable, "-m", service, "--port", "0", "--http-port", "0", *extra,
+                           "normalize_reward=true"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and words in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("stats, complaint", [({}, "has no `mean`"), ({"mean": 0.0, "std": 0.0}, "std=0.0; expected a number > 0"),
