@@ -14,6 +14,7 @@ import torch
 from embedded import resolve_model
 from serving.errors import InvalidArgument
 from serving.modeling import (
+    NO_LENGTH_LIMIT,
     TORCH_DTYPES,
     by_length,
     compiled,
@@ -38,7 +39,6 @@ from .scorers import SCORERS, component_name
 log = logging.getLogger(__name__)
 
 _RULE_TOKENIZER = "embedded:policy"
-_NO_LIMIT = 2**31 - 1  # what rule mode reports as max_length when its tokenizer sets no limit
 
 
 @dataclass
@@ -93,7 +93,7 @@ class RewardCore:
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER), cfg.trust_remote_code)
             self.vocab_size = len(self.tokenizer)
             limit = self.tokenizer.model_max_length
-            self.max_length = int(limit) if limit < _NO_LIMIT else _NO_LIMIT
+            self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)

@@ -365,13 +365,26 @@ def reward_normalization(config: PretrainedConfig, setting: bool | None, key: st
     return normalization
 
 
+# The max_length of a model whose positions have no limit, and of a rule scorer whose tokenizer sets none: the
+# largest int32, as GetInfo reports it.
+NO_LENGTH_LIMIT = 2**31 - 1
+
+# Where configs keep their position limit: most of transformers' own, GPT-2's and GPT-J's, MPT's, and the remote-code
+# models' (ChatGLM and Qwen 1 call it seq_length).
+_POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length")
+
+
 def max_length_of(model: PreTrainedModel | PretrainedConfig) -> int:
-    """Longest sequence the model's position embeddings allow (from the model or its config)."""
+    """Longest sequence the model's positions allow, from the model's (text) config. A config that declares no limit
+    belongs to a model whose positions have none (ALiBi biases in BLOOM, and in MPT and Falcon with `alibi`):
+    NO_LENGTH_LIMIT. Models with learned position embeddings, which fail past their table, all declare it."""
     cfg = model if isinstance(model, PretrainedConfig) else model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if getattr(cfg, key, None):
-            return int(getattr(cfg, key))
-    raise ValueError(f"cannot tell the maximum sequence length of {type(cfg).__name__}")
+    cfg = cfg.get_text_config()  # a multimodal config keeps the language model's limit there; any other is itself
+    for key in _POSITION_LIMIT_KEYS:
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return min(value, NO_LENGTH_LIMIT)
+    return NO_LENGTH_LIMIT
 
 
 def max_length_before_loading(spec: str) -> int | None:

@@ -26,8 +26,8 @@ class ServerConfig(SecurityConfig):
     max_message_mb: int = Field(
         1024, ge=4, description="gRPC send limit in MiB, and the most the receive limit may be (512 x 4096 tokens fit). "
         "The receive limit is min(max_message_mb MiB, max(4 MiB, 2 x max_request_rows x max_length x 32 B + 1 MiB)), "
-        "where max_length is the model's (read from its config before the weights load; unknown, e.g. for a rule "
-        "scorer, gives max_message_mb) and 32 B is the largest encoding of one token (int64 token + three float64 "
+        "where max_length is the model's (read from its config before the weights load; unknown or unlimited, as for a "
+        "rule scorer or a model with ALiBi positions, gives max_message_mb) and 32 B is the largest encoding of one token (int64 token + three float64 "
         "per-action values); a larger message gets RESOURCE_EXHAUSTED from gRPC before it is buffered.")
     max_request_rows: int = Field(
         4096, ge=1, description="Rows of max_length tokens one request may carry (a Train carries the whole "

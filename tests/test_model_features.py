@@ -29,9 +29,15 @@ from actor.models import (
 from actor.rollouts import RolloutCollector
 from actor.tracking import Timers
 from algorithms import logprobs_from_logits, policy_loss
-from ppo_services.v1 import critic_pb2, critic_pb2_grpc
+from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
-from serving.modeling import attention_mask_from_lengths, load_scalar_head_model, per_token_scores
+from serving.modeling import (
+    NO_LENGTH_LIMIT,
+    attention_mask_from_lengths,
+    load_scalar_head_model,
+    max_length_of,
+    per_token_scores,
+)
 from tests.grpc_helpers import channel
 from tests.service_procs import ServiceProcess
 from tests.test_algorithm_runs import critic_dead, metrics, run_actor
@@ -419,6 +425,51 @@ def test_a_model_that_ships_its_own_code_runs_with_trust_remote_code(embedded_as
     assert run.returncode == 0, run.stderr[-3000:]
     [row] = metrics(tmp_path / "run")
     assert row["step"] == 1 and row["train_optim/loss"] is not None
+
+
+def test_the_position_limit_is_read_where_each_family_keeps_it():
+    """max_length_of reads the limit under each family's key, from a multimodal config's language model, and gives
+    NO_LENGTH_LIMIT to a model whose positions have none (BLOOM's ALiBi)."""
+    from transformers import BloomConfig, GPT2Config, LlamaConfig, LlavaConfig, MptConfig
+
+    assert max_length_of(LlamaConfig(max_position_embeddings=99)) == 99
+    assert max_length_of(GPT2Config(n_positions=77)) == 77
+    assert max_length_of(MptConfig(max_seq_len=55)) == 55
+    assert max_length_of(LlavaConfig(text_config=LlamaConfig(max_position_embeddings=321).to_dict())) == 321
+    assert max_length_of(BloomConfig()) == NO_LENGTH_LIMIT == 2**31 - 1
+
+
+def test_a_bloom_policy_without_a_position_limit_trains_with_a_critic_started_from_it(embedded_assets, reward,
+                                                                                     log_dir, tmp_path):
+    """BLOOM's positions are ALiBi biases, so its config declares no length limit. A critic started from such a policy
+    reports max_length 2^31 - 1 and values rows longer than any limit of the embedded models, and the actor runs a
+    PPO step on the policy against it."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_assets.policy)
+    model_dir = tmp_path / "bloom"
+    torch.manual_seed(0)
+    BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=4,
+                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    tokens = torch.randint(4, len(tokenizer), (2, 300), generator=torch.Generator().manual_seed(0))
+    with ServiceProcess("critic", "--model", str(model_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        log_dir=log_dir) as critic:
+        ch = channel(critic.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).max_length == 2**31 - 1
+        reply = stub.Infer(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(torch.tensor([300, 250]))),
+                           timeout=60)
+        ch.close()
+        values = decode(reply.values, "values")
+        assert values.shape == (2, 300) and values.isfinite().all() and (values[1, 250:] == 0).all()
+        run = run_actor("ppo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", "checkpointing.save_period=0",
+                        f"policy.model_name={model_dir}", f"critic.address={critic.address}",
+                        f"reward.address={reward.address}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = metrics(tmp_path / "run")
+    assert row["step"] == 1 and row["critic/loss"] > 0 and row["train_optim/grad_norm"] > 0
 
 
 def test_an_actor_run_with_lora_checkpoints_and_resumes_exactly(reward, tmp_path):
