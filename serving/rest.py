@@ -8,8 +8,9 @@ import threading
 from collections.abc import Callable
 
 import uvicorn
-from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 
 def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable[[], bool]) -> None:
@@ -26,9 +27,14 @@ def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable
         return {"ready": ok}
 
     @app.get("/metrics")
-    def metrics() -> Response:
-        """Prometheus text exposition."""
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def metrics(request: Request) -> Response:
+        """Prometheus exposition in the format the scraper's Accept header asks for: OpenMetrics for Prometheus
+        itself (its default scrape protocols list it first), the text format otherwise."""
+        try:
+            encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        except (TypeError, ValueError):  # prometheus-client fails on a version= that is no number: the default
+            encode, content_type = choose_encoder("")
+        return Response(encode(registry), media_type=content_type)
 
 
 class QuietUvicorn(uvicorn.Server):

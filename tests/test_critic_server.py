@@ -45,6 +45,11 @@ def stub(critic):
     ch.close()
 
 
+# The Accept header of a Prometheus 2 / 3 scrape with its default scrape_protocols.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,"
+                     "text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+
+
 def batch(seed: int, b: int = 4, s: int = 12, vocab: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(4, vocab, (b, s), generator=g)
@@ -291,6 +296,10 @@ def test_random_bytes_to_every_rpc_get_an_error_and_change_nothing(critic, stub)
 
 def test_health_reflection_and_rest_endpoints(critic):
     ch = channel(critic.address)
+    stub = critic_pb2_grpc.CriticServiceStub(ch)  # one good and one bad Infer, so the metrics below have samples
+    infer(stub, *batch(11))
+    expect_invalid(stub.Infer, critic_pb2.InferRequest(tokens=encode(torch.tensor([[1, 2]])),
+                                                       lengths=encode(torch.tensor([3]))), "lengths")
     for service in ("", "ppo_services.v1.CriticService"):
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -308,6 +317,11 @@ def test_health_reflection_and_rest_endpoints(critic):
         assert name in text, name
     assert re.search(r'ppo_critic_requests_total\{code="INVALID_ARGUMENT",method="Infer"\} [1-9]', text) or \
         re.search(r'ppo_critic_requests_total\{method="Infer",code="INVALID_ARGUMENT"\} [1-9]', text)
+    # Prometheus' own scrape asks for OpenMetrics first (its default Accept header) and gets it
+    scrape = httpx.get(f"{critic.http}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
+    assert scrape.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert scrape.text.endswith("# EOF\n") and "# TYPE ppo_critic_requests counter" in scrape.text
+    assert httpx.get(f"{critic.http}/metrics").headers["content-type"].startswith("text/plain")
 
 
 def test_a_critic_initialised_from_the_policy_gets_a_fresh_value_head(embedded_cache, log_dir):

@@ -439,6 +439,12 @@ def test_no_rest_request_gets_a_server_error(reward, critic):
                     status = http.request(method, route, content=random_bytes(rng)).status_code
                     counts[(f"rest {method} {route}", str(status))] += 1
                     assert status == 405, (method, route, status)
+            # Accept headers that prometheus-client's format negotiation cannot parse get the text format
+            for accept in ("text/plain;version=xyz", "application/openmetrics-text;version=abc",
+                           "application/openmetrics-text;version=1.0.0;escaping=\x7f", ";;,,", "text/plain;version="):
+                reply = http.get("/metrics", headers={"accept": accept})
+                counts[("rest GET /metrics, odd Accept", str(reply.status_code))] += 1
+                assert reply.status_code == 200 and "# TYPE" in reply.text, (accept, reply.status_code)
             for _ in range(30):
                 path = "/" + rng.choice("abc._~") + "".join(rng.choice("abc/%20.é~") for _ in range(rng.randint(0, 40)))
                 method = rng.choice(["GET", "POST", "PUT", "DELETE", "OPTIONS"])
