@@ -48,6 +48,13 @@ class CriticConfig(ServerConfig):
         "config.json, as OpenRLHF does for reward models trained with --normalize_reward. Unset follows the "
         "checkpoint's own normalize_reward; true requires mean and std there; false returns raw scores.",
     )
+    normalize_values: bool | None = Field(
+        None,
+        description="Values are (v - mean) / std with the `mean` and `std` in the critic model's own config.json, as "
+        "OpenRLHF's critic computes them when started from a model trained with --normalize_reward (an OpenRLHF reward "
+        "model or critic), in Infer and in Train alike; the critic's checkpoints keep the keys. Unset follows the "
+        "checkpoint's own normalize_reward; true requires mean and std there; false reads the head as it is.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype: bfloat16 or float16 run Infer and Train under torch.autocast with float32 critic weights, which the optimizer updates (mixed precision; float16 without loss scaling, so prefer bfloat16); a combined reward model (--reward-model) is held in it.")
     checkpoint_dir: str = Field(
         "checkpoints/critic", description="Where Save and autosave write <checkpoint_dir>/<tag>; what `resume` reads."

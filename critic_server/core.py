@@ -23,6 +23,8 @@ from embedded import resolve_model
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.modeling import (
     TORCH_DTYPES,
+    RewardNormalization,
+    attention_mask_from_lengths,
     compiled,
     copy_remote_code,
     last_token_scores,
@@ -114,6 +116,11 @@ class CriticCore:
             log.info("resumed critic optimizer state at train step %d from %s (%d Train request ids remembered)",
                      self.train_step, path, len(self.window))
         self.model.eval()
+        self.normalize_values = reward_normalization(self.model.config, cfg.normalize_values, "normalize_values", path,
+                                                     role="critic model", outputs="values")
+        if getattr(self.model.config, "normalize_reward", False) or self.normalize_values != RewardNormalization():
+            # the checkpoints say how their values were trained, for a resume here and for OpenRLHF alike
+            self.model.config.normalize_reward = self.normalize_values != RewardNormalization()
         self.scores = mixed_precision(compiled(per_token_scores, cfg.compile, "compile", self.device), self.device,
                                       TORCH_DTYPES[cfg.dtype])
         self.reward_model = None
@@ -166,6 +173,14 @@ class CriticCore:
         check_lengths(lengths, "lengths", tokens.shape[0], tokens.shape[1])
         return tokens.long(), lengths.long()
 
+    def values(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The critic's values [B, S] of right-padded rows, normalised as its checkpoint says (`normalize_values`);
+        0 past each row's end."""
+        values = self.scores(self.model, tokens, lengths)
+        if self.normalize_values == RewardNormalization():
+            return values
+        return self.normalize_values(values) * attention_mask_from_lengths(lengths, values.shape[1])
+
     @torch.inference_mode()
     def infer_batch(self, requests: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Values [B_i, S_i] (and rewards [B_i] in combined mode) for each (tokens, lengths) request, computed
@@ -178,7 +193,7 @@ class CriticCore:
         for idx in length_buckets(lengths, self.cfg.batching.max_batch_size):
             w = int(lengths[idx].max())
             tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
-            all_values[idx, :w] = self.scores(self.model, tok, n).cpu()
+            all_values[idx, :w] = self.values(tok, n).cpu()
             if all_rewards is not None:
                 rewards = last_token_scores(self.scores(self.reward_model, tok, n), n)
                 all_rewards[idx] = self.normalize_reward(rewards).cpu()
@@ -290,7 +305,7 @@ class CriticCore:
                         ms = group[bucket]
                         w = int(lengths[ms].max())
                         tok, n = tokens[ms, :w].to(self.device), lengths[ms].to(self.device)
-                        values = self.scores(self.model, tok, n)[:, :-1]
+                        values = self.values(tok, n)[:, :-1]
 
                         def rows_of(x: torch.Tensor, ms: torch.Tensor = ms, w: int = w) -> torch.Tensor:
                             return x[ms, :w - 1].to(self.device)

@@ -341,27 +341,29 @@ class RewardNormalization:
         return (scores - self.mean) / self.std
 
 
-def reward_normalization(config: PretrainedConfig, setting: bool | None, key: str, source: str) -> RewardNormalization:
-    """How the scores of reward model `source` are normalised, from its config (logged when they are): OpenRLHF's
-    reward models trained with `--normalize_reward` carry `normalize_reward: true` and their scores' `mean` and `std`
-    in config.json, and OpenRLHF reports `(score - mean) / std` from them. `setting` (the server's `key`) None follows
-    the checkpoint's own `normalize_reward` (without stats that is the identity, as in OpenRLHF); True requires the
-    stats; False never normalises. Stats that are not a finite number, or a std that is not > 0, are refused, naming
-    `key`."""
+def reward_normalization(config: PretrainedConfig, setting: bool | None, key: str, source: str, *,
+                         role: str = "reward model", outputs: str = "rewards") -> RewardNormalization:
+    """How the scores of `source` (a `role`: reward model, or the critic's model) are normalised, from its config
+    (logged, as its `outputs`, when they are): OpenRLHF's reward models trained with `--normalize_reward` carry
+    `normalize_reward: true` and their scores' `mean` and `std` in config.json, and OpenRLHF reports
+    `(score - mean) / std` from them, as its critic does for its values when started from such a model. `setting` (the
+    server's `key`) None follows the checkpoint's own `normalize_reward` (without stats that is the identity, as in
+    OpenRLHF); True requires the stats; False never normalises. Stats that are not a finite number, or a std that is
+    not > 0, are refused, naming `key`."""
     wanted = bool(getattr(config, "normalize_reward", False)) if setting is None else setting
     stats = {name: getattr(config, name, None) for name in ("mean", "std")}
     if not wanted or (setting is None and None in stats.values()):
         return RewardNormalization()
     for name, value in stats.items():
         if value is None:
-            raise ValueError(f"{key}=true: the reward model's config.json has no `{name}` (OpenRLHF writes `mean` and "
+            raise ValueError(f"{key}=true: the {role}'s config.json has no `{name}` (OpenRLHF writes `mean` and "
                              f"`std` there for a reward model trained with --normalize_reward); set {key}=false")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"{key}: the reward model's config.json has {name}={value!r}; expected a finite number")
+            raise ValueError(f"{key}: the {role}'s config.json has {name}={value!r}; expected a finite number")
     if stats["std"] <= 0:
-        raise ValueError(f"{key}: the reward model's config.json has std={stats['std']!r}; expected a number > 0")
+        raise ValueError(f"{key}: the {role}'s config.json has std={stats['std']!r}; expected a number > 0")
     normalization = RewardNormalization(float(stats["mean"]), float(stats["std"]))
-    log.info("rewards of %s reported as %s (its config.json's mean and std)", source, normalization)
+    log.info("%s of %s reported as %s (its config.json's mean and std)", outputs, source, normalization)
     return normalization
 
 

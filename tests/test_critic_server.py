@@ -22,7 +22,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
-from serving.modeling import load_scalar_head_model, load_tokenizer, per_token_scores, vocab_sha256
+from serving.modeling import (
+    attention_mask_from_lengths,
+    load_scalar_head_model,
+    load_tokenizer,
+    per_token_scores,
+    vocab_sha256,
+)
 from tests.grpc_helpers import channel, expect_invalid, random_blobs, send_raw
 from tests.service_procs import ROOT, ServiceProcess
 
@@ -812,8 +818,10 @@ def test_a_bf16_critic_trains_float32_weights_under_autocast(embedded_assets, lo
 def test_a_critic_serves_openrlhf_checkpoints_and_saves_them_in_transformers_layout(openrlhf_reward_model,
                                                                                    embedded_assets, log_dir, tmp_path):
     """An OpenRLHF reward model (head under `value_head`, normalize_reward with mean and std in config.json) as the
-    critic's start and as its combined reward model: values read that head, rewards are (score - mean) / std as
-    OpenRLHF reports them, and the critic's checkpoints store the head as `score`, which transformers loads alone."""
+    critic's start and as its combined reward model: values and rewards are that head's (score - mean) / std, as
+    OpenRLHF's critic and reward model report them (values 0 past each row's end), and the critic's checkpoints store
+    the head as `score`, which transformers loads alone, with the statistics in config.json. normalize_values=false
+    reads the head as it is."""
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
@@ -830,7 +838,9 @@ def test_a_critic_serves_openrlhf_checkpoints_and_saves_them_in_transformers_lay
     model = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
     with torch.no_grad():
         scores = per_token_scores(model, tokens, lengths)
-    torch.testing.assert_close(decode(reply.values, "values"), scores, atol=1e-5, rtol=1e-5)
+    valid = attention_mask_from_lengths(lengths, tokens.shape[1])
+    torch.testing.assert_close(decode(reply.values, "values"), (scores - OPENRLHF_MEAN) / OPENRLHF_STD * valid,
+                               atol=1e-5, rtol=1e-5)
     last = scores.gather(1, (lengths - 1)[:, None]).squeeze(1)
     torch.testing.assert_close(decode(reply.rewards, "rewards"), (last - OPENRLHF_MEAN) / OPENRLHF_STD,
                                atol=1e-5, rtol=1e-5)
@@ -838,3 +848,11 @@ def test_a_critic_serves_openrlhf_checkpoints_and_saves_them_in_transformers_lay
     assert "value_head.weight" not in load_file(Path(saved) / "model.safetensors")
     plain = AutoModelForSequenceClassification.from_pretrained(saved).eval()
     torch.testing.assert_close(plain.score.weight, model.score.weight, rtol=0, atol=0)
+    config = json.loads((Path(saved) / "config.json").read_text())
+    assert (config["normalize_reward"], config["mean"], config["std"]) == (True, OPENRLHF_MEAN, OPENRLHF_STD)
+    with ServiceProcess("critic", "--model", saved, "normalize_values=false", "--checkpoint-dir",
+                        str(tmp_path / "ckpt-raw"), log_dir=log_dir) as server:
+        ch = channel(server.address)
+        raw = infer(critic_pb2_grpc.CriticServiceStub(ch), tokens, lengths)
+        ch.close()
+    torch.testing.assert_close(raw, scores, atol=1e-5, rtol=1e-5)

@@ -521,11 +521,17 @@ def test_an_openrlhf_reward_model_scores_as_openrlhf_reports_it(openrlhf_reward_
     torch.testing.assert_close(decode(reply.rewards, "rewards"), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_normalize_reward_without_the_statistics_is_refused_at_start_naming_the_key(embedded_cache):
-    done = subprocess.run([sys.executable, "-m", "reward_server", "--port", "0", "--http-port", "0",
-                           "normalize_reward=true"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("service, setting, words", [
+    ("reward_server", "normalize_reward=true", "normalize_reward=true: the reward model's config.json has no `mean`"),
+    ("critic_server", "normalize_values=true", "normalize_values=true: the critic model's config.json has no `mean`"),
+])
+def test_normalization_without_the_statistics_is_refused_at_start_naming_the_key(embedded_cache, tmp_path, service,
+                                                                                  setting, words):
+    extra = ["--checkpoint-dir", str(tmp_path)] if service == "critic_server" else []
+    done = subprocess.run([sys.executable, "-m", service, "--port", "0", "--http-port", "0", *extra, setting],
+                          cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
-    assert "normalize_reward=true: the reward model's config.json has no `mean`" in done.stderr
+    assert words in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("service, extra, words", [
