@@ -162,6 +162,17 @@ def compose_cli() -> list[str] | None:
     return None
 
 
+def test_documented_exit_code_from_watches_only_its_service(compose):
+    """`--exit-code-from S` implies --abort-on-container-exit, which stops the stack when any watched container exits;
+    the one-shot auth-token service exits at start, so every documented use names S as the only service to attach."""
+    assert any(spec.get("restart") == "no" and "actor" != name for name, spec in compose["services"].items())
+    for path in (ROOT / "docker-compose.yml", ROOT / "deploy/README.md"):
+        uses = re.findall(r"docker compose up (--exit-code-from (\S+)(?: [a-z-]+)*)", path.read_text())
+        assert uses, path
+        for command, service in uses:
+            assert command.split() == ["--exit-code-from", service, service], (path, command)
+
+
 def test_compose_file_is_valid_for_compose():
     cli = compose_cli()
     if cli is None:
