@@ -3,7 +3,8 @@
 Token batches are right-padded int64 [B, S] with int64 lengths [B] everywhere.
 
 Critic and reward model are both `AutoModelForSequenceClassification` checkpoints with `num_labels=1`
-(or the same layout built here for model types transformers has no such class for): a causal-LM body plus a
+(or the same layout built here for model types transformers has no such class for; or, for checkpoints saved as
+`*ForTokenClassification` as verl saves them, that class, whose `score` head has a bias): a causal-LM body plus a
 linear `score` head, which `from_pretrained` loads as-is. The critic reads the
 head at every position (values), the reward model at the last valid position (rewards).
 """
@@ -26,13 +27,18 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.modeling_layers import GenericForSequenceClassification
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    MODEL_MAPPING,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,12 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
     model, info = cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
                                       key_mapping=_HEAD_ALIASES, **remote)
+    if cls is AutoModelForTokenClassification and getattr(model, "score", None) is None:
+        # a token-classification head under another name (GPT-2's and BLOOM's `classifier`): the sequence layout
+        cls = scalar_head_class(config, trust_remote_code, token_classification=False)
+        remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
+        model, info = cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
+                                          key_mapping=_HEAD_ALIASES, **remote)
     # transformers reverses a load's key mapping when the model is saved: the critic's checkpoints keep `score`
     if getattr(model, "_weight_conversions", None):
         model._weight_conversions = [c for c in model._weight_conversions
@@ -87,13 +99,21 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     return model
 
 
-def scalar_head_class(config: PretrainedConfig, trust_remote_code: bool = False) -> type:
-    """The class that loads `config`'s model type with a linear `score` head: `AutoModelForSequenceClassification`
-    where transformers (or, with `trust_remote_code`, the checkpoint's own code) has a sequence-classification class
-    for the type; otherwise one built from the type's base model (`AutoModel`), laid out as transformers' own
-    `GenericForSequenceClassification` classes are (the body under the type's `base_model_prefix`, then `score`), so
-    it loads the body of a causal-LM checkpoint of that type and its saved checkpoints load back the same way
-    (Granite, Cohere, CodeGen, Gemma 3n, Llama 4, ... have no such class)."""
+def scalar_head_class(config: PretrainedConfig, trust_remote_code: bool = False, *,
+                      token_classification: bool = True) -> type:
+    """The class that loads `config`'s model type with a linear `score` head. A checkpoint saved as a
+    `*ForTokenClassification` (verl trains its critics and reward models so: the same body and a `score` head with a
+    bias) loads with `AutoModelForTokenClassification`, which keeps that bias (the sequence-classification head has
+    none, so the bias would be dropped). Otherwise `AutoModelForSequenceClassification` where transformers (or, with
+    `trust_remote_code`, the checkpoint's own code) has a sequence-classification class for the type; otherwise one
+    built from the type's base model (`AutoModel`), laid out as transformers' own `GenericForSequenceClassification`
+    classes are (the body under the type's `base_model_prefix`, then `score`), so it loads the body of a causal-LM
+    checkpoint of that type and its saved checkpoints load back the same way (Granite, Cohere, CodeGen, Gemma 3n,
+    Llama 4, ... have no such class)."""
+    architectures = getattr(config, "architectures", None) or []
+    if token_classification and type(config) in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING and any(
+            str(a).endswith("ForTokenClassification") for a in architectures):
+        return AutoModelForTokenClassification
     auto_map = getattr(config, "auto_map", None) or {}
     if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING or (
             trust_remote_code and "AutoModelForSequenceClassification" in auto_map):

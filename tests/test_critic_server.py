@@ -777,6 +777,41 @@ def test_a_critic_starts_from_a_policy_whose_type_has_no_sequence_classification
         torch.testing.assert_close(per_token_scores(model, tokens, lengths), before, atol=1e-6, rtol=1e-5)
 
 
+def test_a_token_classification_checkpoint_is_served_with_its_head_bias(embedded_assets, log_dir, tmp_path):
+    """verl saves its critics and reward models as `*ForTokenClassification`, whose `score` head has a bias (the
+    sequence-classification head has none, and loading it so dropped the bias): as the critic's start and as its
+    combined reward model, values and rewards are what that model computes, bias included, and the critic's
+    checkpoint is the same class with the bias."""
+    from transformers import AutoModelForTokenClassification, LlamaConfig, LlamaForTokenClassification
+
+    tokenizer = load_tokenizer(str(embedded_assets.policy))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForTokenClassification(config).eval()
+    with torch.no_grad():
+        model.score.bias.fill_(0.75)
+    model.save_pretrained(tmp_path / "verl")
+    tokenizer.save_pretrained(tmp_path / "verl")
+    tokens, lengths = batch(61)
+    with ServiceProcess("critic", "--model", str(tmp_path / "verl"), "--reward-model", str(tmp_path / "verl"),
+                        "--checkpoint-dir", str(tmp_path / "ckpt"), log_dir=log_dir) as server:
+        ch = channel(server.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        reply = stub.Infer(critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=60)
+        saved = stub.Save(critic_pb2.SaveRequest(tag="verl"), timeout=120).path
+        ch.close()
+    valid = attention_mask_from_lengths(lengths, tokens.shape[1])
+    with torch.no_grad():
+        logits = model(input_ids=tokens, attention_mask=valid).logits.squeeze(-1)
+    torch.testing.assert_close(decode(reply.values, "values"), logits * valid, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode(reply.rewards, "rewards"), logits.gather(1, (lengths - 1)[:, None]).squeeze(1),
+                               atol=1e-5, rtol=1e-5)
+    reloaded = AutoModelForTokenClassification.from_pretrained(saved)
+    assert type(reloaded).__name__ == "LlamaForTokenClassification" and float(reloaded.score.bias.detach()) == 0.75
+
+
 def test_a_checkpoint_whose_body_matches_nothing_is_refused_at_start(embedded_assets, log_dir, tmp_path):
     """Weights under other names than the model type's would leave a random body behind transformers' load warning;
     the server stops instead, naming the checkpoint."""
