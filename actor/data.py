@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from serving.modeling import text_ids
+
 
 class DataError(ValueError):
     """A prompt file is missing or malformed; the message names the file and the line."""
@@ -92,8 +94,8 @@ class PromptFormat:
     def ids(self, value: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """Token ids of a line's prompt; ValueError says what is wrong with it."""
         messages = self.messages(value)
-        if messages is None:
-            return tokenizer(self.text(value), add_special_tokens=False)["input_ids"]
+        if messages is None:  # as the tokenizer begins a text (e.g. with BOS), since the response continues it
+            return text_ids(tokenizer, [self.text(value)], ending=False)[0]
         if tokenizer.chat_template is None:
             raise ValueError("a chat prompt needs a chat template, and the policy's tokenizer has none (set "
                              "chat_template in its tokenizer_config.json, or give string prompts with "

@@ -28,6 +28,7 @@ from serving.modeling import (
     resolve_device,
     reward_normalization,
     right_pad,
+    text_ids,
     vocab_sha256,
     warm_up,
 )
@@ -222,12 +223,16 @@ class RewardCore:
                 except Exception as e:  # noqa: BLE001 - the template's own complaint, e.g. roles must alternate
                     raise InvalidArgument(f"conversations[{i}]: the reward model's chat template refused it: "
                                           f"{type(e).__name__}: {e}") from None
-            inp.tokens, inp.lengths = self._tokenize(rendered, "conversations")
+            inp.tokens, inp.lengths = self._tokenize(rendered, "conversations", rendered=True)
         return inp
 
-    def _tokenize(self, texts: list[str], field: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """texts -> (tokens int64 [B, S] right-padded, lengths int64 [B]); no special tokens are added."""
-        ids = self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+    def _tokenize(self, texts: list[str], field: str, *, rendered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """texts -> (tokens int64 [B, S] right-padded, lengths int64 [B]). A plain text is encoded as the tokenizer
+        encodes a text on its own (its BOS, or an encoder's [CLS] and [SEP]; not twice when the text carries them),
+        which is how reward models are trained on plain text; a `rendered` chat template gets no special tokens on
+        top, since the template writes its own."""
+        ids = (self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"] if rendered
+               else text_ids(self.tokenizer, texts, ending=True))
         for i, row in enumerate(ids):
             if not row:
                 raise InvalidArgument(f"{field}[{i}]: has no tokens")

@@ -423,6 +423,30 @@ def max_length_before_loading(spec: str) -> int | None:
         return None
 
 
+def special_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text it encodes on its own (`tokenizer(text)`): BOS
+    for Llama, Mistral and Gemma; [CLS] and [SEP] for BERT-style encoders; nothing for GPT-2 or Qwen."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for k in range(len(full) - len(plain) + 1):
+        if full[k:k + len(plain)] == plain:
+            return list(full[:k]), list(full[k + len(plain):])
+    return [], []  # the special tokens change how the text itself encodes: none are added
+
+
+def text_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, ending: bool) -> list[list[int]]:
+    """Token ids of each text as the tokenizer encodes a text on its own, which is how models are trained on plain
+    text: the special tokens it adds before the text (see `special_affixes`) and, with `ending`, those after it (a
+    prompt goes on, so it gets none after). One a text already carries (decoded with its special tokens kept) is not
+    added twice."""
+    prefix, suffix = special_affixes(tokenizer)
+    if not suffix or not ending:
+        suffix = []
+    rows = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+    return [(prefix if row[:len(prefix)] != prefix else []) + row
+            + (suffix if not suffix or row[len(row) - len(suffix):] != suffix else []) for row in rows]
+
+
 def vocab_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
     """Fingerprint of the token -> id mapping, so two services can tell whether they share a tokenizer."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), ensure_ascii=False)

@@ -47,6 +47,17 @@ def log_dir(tmp_path_factory) -> Path:
 OPENRLHF_MEAN, OPENRLHF_STD = 0.25, 2.0
 
 
+def with_special_tokens(tokenizer, *, eos: bool = False):
+    """`tokenizer` made to encode a text on its own as Llama's does, `<bos> text` (and, with `eos`, `<eos>` after
+    it, as encoders close a text with [SEP]): the embedded tokenizer adds no special tokens."""
+    from tokenizers import processors
+
+    single = "<bos> $A <eos>" if eos else "<bos> $A"
+    specials = [("<bos>", tokenizer.bos_token_id)] + ([("<eos>", tokenizer.eos_token_id)] if eos else [])
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
 def openrlhf_reward_model(embedded_assets, tmp_path_factory) -> Path:
     """The embedded reward model as OpenRLHF saves a reward model trained with --normalize_reward: the head under

@@ -14,6 +14,8 @@ from actor.data import DataError, Prompt, PromptFormat, PromptSampler, load_prom
 from critic_server.config import CriticConfig
 from ppo_services.v1 import critic_pb2, reward_pb2
 from serving.config import ConfigError, load_config
+from serving.modeling import special_affixes, text_ids
+from tests.conftest import with_special_tokens
 from tests.service_procs import ROOT
 
 
@@ -125,6 +127,39 @@ def test_prompts_become_chat_messages_through_the_tokenizer_s_template(tmp_path,
                                                                                          False, None))
     assert plain[0].ids == chat_tokenizer("river castle =>", add_special_tokens=False)["input_ids"]
     assert plain[1].ids == chat_tokenizer("<user> river\n<assistant> ", add_special_tokens=False)["input_ids"]
+
+
+def test_texts_encode_as_the_tokenizer_encodes_a_text_on_its_own(embedded_assets):
+    """text_ids adds the special tokens a tokenizer puts around a text (here BOS, and EOS after it), once even when
+    the text carries them already; a prompt (ending=False) gets none after it; a tokenizer that adds none (the
+    embedded one) encodes as before."""
+    bos = with_special_tokens(AutoTokenizer.from_pretrained(embedded_assets.policy), eos=True)
+    plain = bos("river castle", add_special_tokens=False)["input_ids"]
+    b, e = bos.bos_token_id, bos.eos_token_id
+    assert special_affixes(bos) == ([b], [e])
+    assert text_ids(bos, ["river castle", "<bos> river castle", "<bos> river castle <eos>"], ending=True) == \
+        [[b, *plain, e]] * 3
+    assert text_ids(bos, ["river castle", "<bos> river castle"], ending=False) == [[b, *plain]] * 2
+    embedded = AutoTokenizer.from_pretrained(embedded_assets.policy)
+    assert special_affixes(embedded) == ([], [])
+    assert text_ids(embedded, ["river castle"], ending=True) == [plain]
+
+
+def test_string_prompts_begin_as_the_tokenizer_begins_a_text_and_chat_prompts_as_the_template_writes(
+        tmp_path, embedded_assets):
+    """A policy whose tokenizer begins a text with BOS (Llama, Mistral, Gemma) was trained on text so begun: a string
+    prompt gets that BOS once, and no EOS after it (the response continues it); a chat prompt is the template's
+    rendering alone, since templates write their own BOS."""
+    tok = with_special_tokens(AutoTokenizer.from_pretrained(embedded_assets.policy), eos=True)
+    tok.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "river castle"}\n{"prompt": "<bos> river castle"}\n'
+                    '{"prompt": [{"role": "user", "content": "river"}]}\n')
+    prompts = load_prompts(path, "prompt", tok, 64)
+    plain = tok("river castle", add_special_tokens=False)["input_ids"]
+    assert [p.ids for p in prompts[:2]] == [[tok.bos_token_id, *plain]] * 2
+    assert prompts[2].ids == tok("<bos><user> river\n<assistant> ", add_special_tokens=False)["input_ids"]
+    assert prompts[2].ids.count(tok.bos_token_id) == 1
 
 
 @pytest.mark.parametrize(

@@ -499,6 +499,32 @@ def test_a_rule_scorer_scores_the_last_message_of_each_conversation(rule_stub):
     torch.testing.assert_close(decode(reply.rewards, "rewards"), torch.tensor([0.75, 0.0]))
 
 
+def test_texts_are_scored_as_the_reward_model_s_tokenizer_encodes_a_text(embedded_assets, reference_model, log_dir,
+                                                                          tmp_path):
+    """A reward model trained on plain text saw each text as its tokenizer encodes one (Llama's: BOS first): texts
+    are scored so, and a text that carries its BOS already (decoded with special tokens kept, as OpenRLHF sends them)
+    gets no second one."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.conftest import with_special_tokens
+
+    model_dir = tmp_path / "bos-rm"
+    shutil.copytree(embedded_assets.reward_model, model_dir)
+    tok = with_special_tokens(AutoTokenizer.from_pretrained(model_dir))
+    tok.save_pretrained(model_dir)
+    with ServiceProcess("reward", "--model", str(model_dir), log_dir=log_dir) as proc:
+        channel, stub = open_stub(proc)
+        reply = stub.Score(reward_pb2.ScoreRequest(texts=["river castle good", "<bos> river castle good"]), timeout=60)
+        channel.close()
+    ids = torch.tensor([[tok.bos_token_id, *tok("river castle good", add_special_tokens=False)["input_ids"]]])
+    with torch.no_grad():
+        expected = last_token_scores(per_token_scores(reference_model, ids, torch.tensor([ids.shape[1]])),
+                                     torch.tensor([ids.shape[1]]))
+    torch.testing.assert_close(decode(reply.rewards, "rewards"), expected.expand(2), atol=1e-5, rtol=1e-5)
+
+
 # --- OpenRLHF's reward model checkpoints ---------------------------------------------------------
 
 
