@@ -16,10 +16,12 @@ from serving.errors import InvalidArgument
 from serving.modeling import (
     NO_LENGTH_LIMIT,
     TORCH_DTYPES,
+    NoScoreHead,
+    at_last_token,
     by_length,
     compiled,
-    last_token_scores,
     load_scalar_head_model,
+    load_sequence_classifier,
     load_tokenizer,
     max_length_before_loading,
     max_length_of,
@@ -28,6 +30,7 @@ from serving.modeling import (
     resolve_device,
     reward_normalization,
     right_pad,
+    sequence_scores,
     text_ids,
     vocab_sha256,
     warm_up,
@@ -65,6 +68,7 @@ class RewardCore:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.model = None
+        self.encoder = False  # an encoder scoring (prompt, response) pairs with its own head, not a decoder's last token
         # Rule scorers whose results are returned as components: the scorer itself, then the extra ones.
         self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
 
@@ -79,10 +83,22 @@ class RewardCore:
         torch.manual_seed(cfg.seed)
         if cfg.scorer is None:
             path = resolve_model(cfg.model)
-            self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True,
-                                                trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
+            try:  # a decoder's `score` at the last valid position
+                self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True,
+                                                    trust_remote_code=cfg.trust_remote_code)
+                self.scores = at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device))
+            except NoScoreHead:  # an encoder's own pooling and head over the whole sequence
+                self.model = load_sequence_classifier(path, TORCH_DTYPES[cfg.dtype],
+                                                      trust_remote_code=cfg.trust_remote_code)
+                self.scores = compiled(sequence_scores, cfg.compile, "compile", self.device)
+                # pairs as trained, unless the model tells segments apart by token type ids (BERT's), which the
+                # passes do not carry: texts alone then
+                self.encoder = getattr(self.model.config, "type_vocab_size", 0) <= 1
+                log.info("%s scores whole sequences through its own %s head; %s", cfg.model, type(self.model).__name__,
+                         "a text that starts with its prompt is encoded as the pair (prompt, response)" if self.encoder
+                         else "texts are encoded alone (its pairs would need token type ids)")
+            self.model = self.model.to(self.device).eval()
             self.model.requires_grad_(False)
-            self.scores = compiled(per_token_scores, cfg.compile, "compile", self.device)
             self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",
                                                          cfg.model)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path, cfg.trust_remote_code)
@@ -193,6 +209,11 @@ class RewardCore:
             if whole:
                 log.debug("%s%s do not start with their prompts; scored whole", texts_field, whole)
             inp.responses = [text.removeprefix(prompt) for text, prompt in zip(texts, prompts)]
+            if self.encoder:  # encoders' reward models are trained on (prompt, response) pairs
+                pairs = [(p, r) if i not in whole else (t, None)
+                         for i, (t, p, r) in enumerate(zip(texts, prompts, inp.responses))]
+                inp.tokens, inp.lengths = self._tokenize_pairs(pairs, texts_field)
+                return inp
         if self.model is not None:
             inp.tokens, inp.lengths = self._tokenize(texts, texts_field)
         return inp
@@ -233,6 +254,16 @@ class RewardCore:
         top, since the template writes its own."""
         ids = (self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"] if rendered
                else text_ids(self.tokenizer, texts, ending=True))
+        return self._pad_checked(ids, field)
+
+    def _tokenize_pairs(self, pairs: list[tuple[str, str | None]], field: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt, response) pairs as the tokenizer encodes a pair (`[CLS] prompt [SEP] response [SEP]`); a pair
+        without a response is its text alone."""
+        ids = [self.tokenizer(a, b, verbose=False)["input_ids"] if b is not None else
+               text_ids(self.tokenizer, [a], ending=True)[0] for a, b in pairs]
+        return self._pad_checked(ids, field)
+
+    def _pad_checked(self, ids: list[list[int]], field: str) -> tuple[torch.Tensor, torch.Tensor]:
         for i, row in enumerate(ids):
             if not row:
                 raise InvalidArgument(f"{field}[{i}]: has no tokens")
@@ -267,7 +298,7 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        rewards = by_length(lambda tok, n: last_token_scores(self.scores(self.model, tok, n), n), tokens, lengths,
+        rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
                             self.cfg.batching.max_batch_size, self.device)
         rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))

@@ -81,9 +81,10 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
                                      if getattr(c, "source_patterns", None) != list(_HEAD_ALIASES)]
     score = getattr(model, "score", None)
     if score is None:
-        raise ValueError(f"{path}: {type(model).__name__} has no `score` head; the critic and reward servers read a "
-                         f"linear `score` over a decoder body's hidden states, as transformers' decoder models lay "
-                         f"out sequence classification")
+        raise NoScoreHead(f"{path}: {type(model).__name__} has no `score` head; the critic reads a linear `score` "
+                          f"over a decoder body's hidden states at every position, as transformers' decoder models lay "
+                          f"out sequence classification (an encoder such as BERT or DeBERTa serves as a reward model "
+                          f"only)")
     head = {name for name, _ in score.named_parameters(prefix="score")}
     body = [name for name, _ in model.named_parameters() if name not in head]
     missing = set(info["missing_keys"])
@@ -97,6 +98,43 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
+
+
+class NoScoreHead(ValueError):
+    """The checkpoint's sequence-classification class has no per-position `score` head (an encoder's `classifier`)."""
+
+
+def load_sequence_classifier(path: str, dtype: torch.dtype = torch.float32, *,
+                             trust_remote_code: bool = False) -> PreTrainedModel:
+    """A reward model that scores a whole sequence through its own pooling and head: the BERT-style encoders (DeBERTa,
+    RoBERTa, BERT, ...) whose sequence-classification class reads a `classifier` over the first token rather than a
+    `score` at every position, as OpenAssistant's DeBERTa reward models do. It must be a one-label checkpoint with
+    the head's weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if config.num_labels != 1:
+        raise ValueError(f"{path}: a reward model has one output, and this checkpoint has num_labels="
+                         f"{config.num_labels}")
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code)
+    missing = set(info["missing_keys"])
+    prefix = f"{model.base_model_prefix}."
+    head = [name for name, _ in model.named_parameters() if not name.startswith(prefix)]
+    body = [name for name, _ in model.named_parameters() if name.startswith(prefix)]
+    if body and set(body) <= missing:
+        raise ValueError(f"{path} has no weights for the body of {type(model).__name__} (expected keys like "
+                         f"{body[0]!r}): it is not a checkpoint of this model type")
+    if set(head) & missing:
+        raise ValueError(f"{path} has no weights for the reward head ({', '.join(sorted(set(head) & missing))}): it "
+                         f"is not a reward model; a reward model is a sequence-classification checkpoint with one label")
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def sequence_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A sequence classifier's score of each right-padded row (its own pooling and head), float32 [B]."""
+    mask = attention_mask_from_lengths(lengths, tokens.shape[1])
+    return model(input_ids=tokens, attention_mask=mask).logits[:, 0].float()
 
 
 def scalar_head_class(config: PretrainedConfig, trust_remote_code: bool = False, *,
@@ -344,6 +382,15 @@ def per_token_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torc
 def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """float [B, S] per-token scores -> float [B] at the last valid position lengths[b]-1."""
     return scores.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+
+
+def at_last_token(pass_: ModelPass) -> ModelPass:
+    """`pass_` (per-token scores [B, S], e.g. `per_token_scores` or its compiled form) read at each row's last valid
+    position: a decoder reward model's score of each row, [B]."""
+    def scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return last_token_scores(pass_(model, tokens, lengths), lengths)
+
+    return scores
 
 
 @dataclass(frozen=True)

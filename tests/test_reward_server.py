@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import grpc
 import httpx
@@ -523,6 +524,58 @@ def test_texts_are_scored_as_the_reward_model_s_tokenizer_encodes_a_text(embedde
         expected = last_token_scores(per_token_scores(reference_model, ids, torch.tensor([ids.shape[1]])),
                                      torch.tensor([ids.shape[1]]))
     torch.testing.assert_close(decode(reply.rewards, "rewards"), expected.expand(2), atol=1e-5, rtol=1e-5)
+
+
+def encoder_reward_model(words: list[str], path: Path) -> Path:
+    """A random one-label DeBERTa-v2 reward model and a word-level BERT-style tokenizer (`[CLS] a [SEP] b [SEP]`), as
+    OpenAssistant's DeBERTa reward models are laid out: a `classifier` over the pooled first token, no `score`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *sorted(words)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                        sep_token="[SEP]")
+    torch.manual_seed(0)
+    model = DebertaV2ForSequenceClassification(DebertaV2Config(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=128, num_labels=1, pad_token_id=0))
+    with torch.no_grad():  # scores of order 1, so that a pair and the same words as one text score apart
+        model.classifier.weight.mul_(1000)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_an_encoder_reward_model_scores_prompt_response_pairs_with_its_own_head(tokenizer, log_dir, tmp_path):
+    """An encoder reward model (DeBERTa, as OpenAssistant's) has no per-position `score`: the server scores each
+    sample through the model's own pooling and head, a text with its prompt as the pair (prompt, response) it was
+    trained on, a text alone as `[CLS] text [SEP]`; the critic refuses such a model, which gives no per-token values."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = encoder_reward_model([w for w in tokenizer.get_vocab() if not w.startswith("<")], tmp_path / "deberta")
+    prompts, responses = ["river castle", "city garden forest"], [" good good", " bad"]
+    with ServiceProcess("reward", "--model", str(path), log_dir=log_dir) as proc:
+        channel, stub = open_stub(proc)
+        paired = stub.Score(reward_pb2.ScoreRequest(texts=[p + r for p, r in zip(prompts, responses)],
+                                                    prompts=prompts), timeout=60)
+        alone = stub.Score(reward_pb2.ScoreRequest(texts=["river castle good good"]), timeout=60)
+        channel.close()
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    enc = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        expected = [float(model(**enc(p, r, return_tensors="pt")).logits[0, 0]) for p, r in zip(prompts, responses)]
+        whole = float(model(**enc("river castle good good", return_tensors="pt")).logits[0, 0])
+    torch.testing.assert_close(decode(paired.rewards, "rewards"), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode(alone.rewards, "rewards"), torch.tensor([whole]), atol=1e-5, rtol=1e-5)
+    assert abs(whole - expected[0]) > 1e-3  # the pair is not the text alone
+    done = subprocess.run([sys.executable, "-m", "critic_server", "--port", "0", "--http-port", "0", "--model",
+                           str(path), "--checkpoint-dir", str(tmp_path / "ckpt")], cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "has no `score` head" in done.stderr, done.stderr[-2000:]
 
 
 # --- OpenRLHF's reward model checkpoints ---------------------------------------------------------
