@@ -115,8 +115,10 @@ def _read_text(path: str, key: str) -> str:
 
 
 def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_length: int,
-                 label_key: str = "label", fmt: PromptFormat = PromptFormat()) -> list[Prompt]:
-    """Every prompt of a JSONL file, formatted by `fmt` and tokenized, with its label if the line has one."""
+                 label_key: str = "label", fmt: PromptFormat = PromptFormat(),
+                 embedding_rows: int | None = None) -> list[Prompt]:
+    """Every prompt of a JSONL file, formatted by `fmt` and tokenized, with its label if the line has one. With
+    `embedding_rows` (the policy's), a prompt holding a token the model has no embedding for is refused."""
     if not path.is_file():
         raise DataError(f"{path}: prompt file does not exist")
     prompts = []
@@ -140,6 +142,11 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
             if len(ids) > max_length:
                 raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than "
                                 f"data.max_input_seq_length={max_length}")
+            if embedding_rows is not None and max(ids) >= embedding_rows:
+                token = max(ids)
+                raise DataError(f"{path}:{lineno}: the prompt holds token {tokenizer.convert_ids_to_tokens(token)!r} "
+                                f"(id {token}), past the policy's embedding table ({embedding_rows} rows): the "
+                                f"tokenizer has tokens the model was not resized for")
             prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}", fmt.conversation(obj[key])))
     if not prompts:
         raise DataError(f"{path}: no prompts")

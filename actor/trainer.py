@@ -52,7 +52,7 @@ from .config import ActorConfig
 from .data import PromptFormat, PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .environments import BadEnvironment
 from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
-from .models import ModelSetupError, load_models
+from .models import load_models, padding_id
 from .multiturn import episode_metrics, multi_turn_collector
 from .rollouts import RolloutBatch, RolloutCollector
 from .servers import Servers
@@ -90,15 +90,12 @@ class PPOTrainer:
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
         policy_path = str(self.resume_from / "actor") if self.resume_from else resolve_model(pol.model_name)
         self.tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=pol.trust_remote_code)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        if self.pad_id is None:
-            raise ModelSetupError(f"policy.model_name: the tokenizer of {policy_path} has neither a pad token nor an EOS "
-                                  "token; generation pads rows with one of them (set pad_token or eos_token in its "
-                                  "tokenizer_config.json)")
         # frozen layers, LoRA adapters, the reference's placement: actor/models.py
         self.models = load_models(pol, self.resume_from, self.device, dtype,
                                   with_reference=not p.skip_reference_policy_logprobs_calculation)
         self.policy, self.reference = self.models.policy, self.models.reference
+        embedding_rows = self.policy.get_input_embeddings().num_embeddings
+        self.pad_id = padding_id(self.tokenizer, embedding_rows, policy_path)
         # every pass over whole sequences (training, log-probs) goes through this; generation's decode step has its
         # own switch (policy.generation.compile)
         # (policy.precision=bfloat16: under autocast, the float32 weights computing in bf16)
@@ -123,10 +120,10 @@ class PPOTrainer:
         d = cfg.data
         fmt = PromptFormat.from_files(d.prompt_file, d.apply_chat_template, d.system_prompt_file)
         self.train_prompts = load_prompts(resolve_data_file(d.train_file), d.prompt_key, self.tokenizer,
-                                          d.max_input_seq_length, d.label_key, fmt)
+                                          d.max_input_seq_length, d.label_key, fmt, embedding_rows)
         validates = p.val_period > 0 or p.val_at_start or p.val_at_end
         self.val_prompts = (load_prompts(resolve_data_file(d.val_file), d.prompt_key, self.tokenizer,
-                                         d.max_input_seq_length, d.label_key, fmt)[: p.max_val_samples]
+                                         d.max_input_seq_length, d.label_key, fmt, embedding_rows)[: p.max_val_samples]
                             if validates else [])
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)

@@ -9,6 +9,7 @@ adapted one 1e-5 absolute (W + BA is one float32 rounding away from W x + B A x)
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,12 +20,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from actor.checkpoints import ResumeError, load_optimizer_state
 from actor.config import ActorConfig, LoraConfig, PolicyConfig
+from actor.data import DataError, load_prompts
 from actor.models import (
     ModelSetupError,
     OffloadedReference,
     ResidentReference,
     freeze_lower_layers,
     load_models,
+    padding_id,
 )
 from actor.rollouts import RolloutCollector
 from actor.tracking import Timers
@@ -301,6 +304,34 @@ def test_a_policy_tokenizer_without_pad_or_eos_is_refused_at_start(embedded_asse
     assert bad.returncode == 1, bad.stderr[-2000:]
     assert f"error: policy.model_name: the tokenizer of {model_dir} has neither a pad token nor an EOS token" \
         in bad.stderr, bad.stderr[-2000:]
+
+
+def test_a_pad_token_the_model_was_not_resized_for_gives_way_to_eos(embedded_assets, reward, tmp_path):
+    """A pad token added to the tokenizer without resizing the model's embeddings (an id past them) crashed the first
+    forward: rows are padded with EOS instead (padding is masked), with a warning, and the step trains. A prompt that
+    holds such a token is refused naming its file and line; a tokenizer whose pad and EOS both lie past the table is
+    refused naming policy.model_name."""
+    model_dir = policy_with_tokens(embedded_assets, tmp_path / "added-pad")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = None
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    tokenizer.save_pretrained(model_dir)
+    rows = AutoModelForCausalLM.from_pretrained(model_dir).get_input_embeddings().num_embeddings
+    assert tokenizer.pad_token_id == rows
+    run = run_actor("grpo", tmp_path / "run", *RUN, "ppo.max_num_steps=1", "checkpointing.save_period=0",
+                    f"policy.model_name={model_dir}", f"reward.address={reward.address}", critic_dead())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"the pad token of {model_dir} (id {rows}) is past the policy's embedding table ({rows} rows)" in run.stderr
+    assert f"rows are padded with EOS (id {tokenizer.eos_token_id}) instead" in run.stderr
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "river castle =>"}\n{"prompt": "river [PAD] castle"}\n')
+    with pytest.raises(DataError, match=re.escape(f"prompts.jsonl:2: the prompt holds token '[PAD]' (id {rows}), "
+                                                  f"past the policy's embedding table ({rows} rows)")):
+        load_prompts(tmp_path / "prompts.jsonl", "prompt", tokenizer, 64, embedding_rows=rows)
+    tokenizer.eos_token = "[PAD]"
+    with pytest.raises(ModelSetupError, match=re.escape(f"pads with ids past the policy's embedding table ({rows} rows): "
+                                                        f"pad {rows}, EOS {rows}")):
+        padding_id(tokenizer, rows, str(model_dir))
 
 
 def test_a_policy_tokenizer_without_eos_generates_to_max_new_tokens(embedded_assets, reward, tmp_path):
