@@ -112,8 +112,10 @@ class RewardCore:
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = 0 if pad is None else int(pad)
+        # padding is masked, so any id the model embeds will do: a pad token added to the tokenizer without resizing
+        # the model's embeddings (an id past them) gives way to EOS, then to 0
+        self.pad_id = next(int(i) for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
+                           if i is not None and 0 <= i < self.vocab_size)
         log.info("reward %s loaded on %s (vocab %d, max length %d, components %s)", self.source, self.device,
                  self.vocab_size, self.max_length, self.component_scorers)
 
@@ -267,6 +269,10 @@ class RewardCore:
         for i, row in enumerate(ids):
             if not row:
                 raise InvalidArgument(f"{field}[{i}]: has no tokens")
+            if max(row) >= self.vocab_size:
+                raise InvalidArgument(f"{field}[{i}]: encodes to token {self.tokenizer.convert_ids_to_tokens(max(row))!r} "
+                                      f"(id {max(row)}), past the reward model's {self.vocab_size} embeddings: its "
+                                      f"tokenizer has tokens the model was not resized for")
             if len(row) > self.max_length:
                 raise InvalidArgument(f"{field}[{i}]: {len(row)} tokens exceed the model's max length "
                                       f"{self.max_length}")

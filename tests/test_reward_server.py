@@ -35,6 +35,7 @@ from serving.modeling import (
 )
 from serving.wire import grpc_options
 from tests.conftest import OPENRLHF_MEAN, OPENRLHF_STD
+from tests.grpc_helpers import expect_invalid
 from tests.service_procs import ROOT, ServiceProcess
 
 SCORE = "/ppo_services.v1.RewardService/Score"
@@ -504,7 +505,9 @@ def test_texts_are_scored_as_the_reward_model_s_tokenizer_encodes_a_text(embedde
                                                                           tmp_path):
     """A reward model trained on plain text saw each text as its tokenizer encodes one (Llama's: BOS first): texts
     are scored so, and a text that carries its BOS already (decoded with special tokens kept, as OpenRLHF sends them)
-    gets no second one."""
+    gets no second one. The tokenizer also has a pad token added without resizing the model's embeddings: texts of
+    unequal lengths are padded with an id the model has (all of them were refused before), and a text that encodes
+    to that token is refused naming it."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -514,16 +517,23 @@ def test_texts_are_scored_as_the_reward_model_s_tokenizer_encodes_a_text(embedde
     model_dir = tmp_path / "bos-rm"
     shutil.copytree(embedded_assets.reward_model, model_dir)
     tok = with_special_tokens(AutoTokenizer.from_pretrained(model_dir))
+    tok.pad_token = None
+    tok.add_special_tokens({"pad_token": "[PAD]"})
     tok.save_pretrained(model_dir)
+    assert tok.pad_token_id == reference_model.config.vocab_size
     with ServiceProcess("reward", "--model", str(model_dir), log_dir=log_dir) as proc:
         channel, stub = open_stub(proc)
-        reply = stub.Score(reward_pb2.ScoreRequest(texts=["river castle good", "<bos> river castle good"]), timeout=60)
+        reply = stub.Score(reward_pb2.ScoreRequest(texts=["river castle good", "<bos> river castle good", "city"]),
+                           timeout=60)
+        expect_invalid(stub.Score, reward_pb2.ScoreRequest(texts=["good", "river [PAD] castle"]), "texts[1]", "'[PAD]'",
+                       "not resized")
         channel.close()
-    ids = torch.tensor([[tok.bos_token_id, *tok("river castle good", add_special_tokens=False)["input_ids"]]])
+    rows = [[tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]] for text in ("river castle good", "city")]
     with torch.no_grad():
-        expected = last_token_scores(per_token_scores(reference_model, ids, torch.tensor([ids.shape[1]])),
-                                     torch.tensor([ids.shape[1]]))
-    torch.testing.assert_close(decode(reply.rewards, "rewards"), expected.expand(2), atol=1e-5, rtol=1e-5)
+        expected = torch.cat([last_token_scores(per_token_scores(reference_model, torch.tensor([r]),
+                                                                 torch.tensor([len(r)])), torch.tensor([len(r)]))
+                              for r in (rows[0], rows[0], rows[1])])
+    torch.testing.assert_close(decode(reply.rewards, "rewards"), expected, atol=1e-5, rtol=1e-5)
 
 
 def encoder_reward_model(words: list[str], path: Path) -> Path:
