@@ -142,8 +142,7 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
             if len(ids) > max_length:
                 raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than "
                                 f"data.max_input_seq_length={max_length}")
-            if embedding_rows is not None and max(ids) >= embedding_rows:
-                token = max(ids)
+            if embedding_rows is not None and (token := max(ids)) >= embedding_rows:
                 raise DataError(f"{path}:{lineno}: the prompt holds token {tokenizer.convert_ids_to_tokens(token)!r} "
                                 f"(id {token}), past the policy's embedding table ({embedding_rows} rows): the "
                                 f"tokenizer has tokens the model was not resized for")

@@ -65,16 +65,17 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     lets transformers run the model code a checkpoint ships (its config's auto_map)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     config.num_labels = 1
+
+    def load(cls: type) -> tuple[PreTrainedModel, dict]:
+        remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
+        return cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
+                                   key_mapping=_HEAD_ALIASES, **remote)
+
     cls = scalar_head_class(config, trust_remote_code)
-    remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
-    model, info = cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
-                                      key_mapping=_HEAD_ALIASES, **remote)
+    model, info = load(cls)
     if cls is AutoModelForTokenClassification and getattr(model, "score", None) is None:
         # a token-classification head under another name (GPT-2's and BLOOM's `classifier`): the sequence layout
-        cls = scalar_head_class(config, trust_remote_code, token_classification=False)
-        remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
-        model, info = cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
-                                          key_mapping=_HEAD_ALIASES, **remote)
+        model, info = load(scalar_head_class(config, trust_remote_code, token_classification=False))
     # transformers reverses a load's key mapping when the model is saved: the critic's checkpoints keep `score`
     if getattr(model, "_weight_conversions", None):
         model._weight_conversions = [c for c in model._weight_conversions
@@ -85,16 +86,21 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
                           f"over a decoder body's hidden states at every position, as transformers' decoder models lay "
                           f"out sequence classification (an encoder such as BERT or DeBERTa serves as a reward model "
                           f"only)")
-    head = {name for name, _ in score.named_parameters(prefix="score")}
+    return _checked(path, model, info, {name for name, _ in score.named_parameters(prefix="score")}, trained_head)
+
+
+def _checked(path: str, model: PreTrainedModel, info: dict, head: set[str], trained_head: bool) -> PreTrainedModel:
+    """`model` as loaded from `path` with transformers' loading `info`, once it is known to hold its body's weights
+    and, with `trained_head`, those of its `head` parameters; a config without a pad token gets EOS as one."""
     body = [name for name, _ in model.named_parameters() if name not in head]
     missing = set(info["missing_keys"])
     if body and set(body) <= missing:
         raise ValueError(f"{path} has no weights for the body of {type(model).__name__} (expected keys like "
                          f"{body[0]!r}): it is not a checkpoint of this model type")
     if trained_head and head & missing:
-        raise ValueError(f"{path} has no weights for the reward head ({', '.join(sorted(head))}): it is not a reward "
-                         f"model (a causal LM or a base model would score with a random head); a reward model is a "
-                         f"sequence-classification checkpoint with one label")
+        raise ValueError(f"{path} has no weights for the reward head ({', '.join(sorted(head & missing))}): it is not "
+                         f"a reward model (a causal LM or a base model would score with a random head); a reward "
+                         f"model is a sequence-classification checkpoint with one label")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
@@ -116,19 +122,9 @@ def load_sequence_classifier(path: str, dtype: torch.dtype = torch.float32, *,
                          f"{config.num_labels}")
     model, info = AutoModelForSequenceClassification.from_pretrained(
         path, config=config, dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code)
-    missing = set(info["missing_keys"])
-    prefix = f"{model.base_model_prefix}."
-    head = [name for name, _ in model.named_parameters() if not name.startswith(prefix)]
-    body = [name for name, _ in model.named_parameters() if name.startswith(prefix)]
-    if body and set(body) <= missing:
-        raise ValueError(f"{path} has no weights for the body of {type(model).__name__} (expected keys like "
-                         f"{body[0]!r}): it is not a checkpoint of this model type")
-    if set(head) & missing:
-        raise ValueError(f"{path} has no weights for the reward head ({', '.join(sorted(set(head) & missing))}): it "
-                         f"is not a reward model; a reward model is a sequence-classification checkpoint with one label")
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
-    return model
+    prefix = f"{model.base_model_prefix}."  # the head: its pooling and classifier, outside the body
+    return _checked(path, model, info, {name for name, _ in model.named_parameters() if not name.startswith(prefix)},
+                    trained_head=True)
 
 
 def sequence_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -470,6 +466,7 @@ def max_length_before_loading(spec: str) -> int | None:
         return None
 
 
+@functools.cache  # per tokenizer object: what it adds is fixed once it is loaded
 def special_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     """The special tokens the tokenizer puts before and after a text it encodes on its own (`tokenizer(text)`): BOS
     for Llama, Mistral and Gemma; [CLS] and [SEP] for BERT-style encoders; nothing for GPT-2 or Qwen."""
@@ -487,11 +484,10 @@ def text_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, ending: bo
     prompt goes on, so it gets none after). One a text already carries (decoded with its special tokens kept) is not
     added twice."""
     prefix, suffix = special_affixes(tokenizer)
-    if not suffix or not ending:
-        suffix = []
+    suffix = suffix if ending else []
     rows = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
     return [(prefix if row[:len(prefix)] != prefix else []) + row
-            + (suffix if not suffix or row[len(row) - len(suffix):] != suffix else []) for row in rows]
+            + (suffix if row[len(row) - len(suffix):] != suffix else []) for row in rows]
 
 
 def vocab_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
