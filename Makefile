@@ -22,7 +22,7 @@ TRL_PINS := trl==1.12.0 accelerate==1.15.0 datasets==5.2.0
 # mostly waits on one process at a time, so a single worker leaves the second core idle. PYTEST_WORKERS=0 runs
 # the suite in one process.
 PYTEST_WORKERS ?= 2
-PYTEST_FLAGS ?= -q -ra --durations=15 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST_FLAGS ?= -q -ra --durations=15 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: install demo test protos lint clean clean-all bench-env bench
 
