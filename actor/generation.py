@@ -8,6 +8,7 @@ will implement the same `GenerationBackend` protocol, plus `update_weights` for 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import time
@@ -320,7 +321,9 @@ class TorchGenerationBackend:
     their samples are discarded. `compact_below=0` never compacts, 1 compacts as soon as any row finishes. The one
     host sync per decode step is the count of finished rows (none without stop tokens). Stop strings
     (`SamplingParams.stop_strings`, with the `tokenizer`) decode a window of each running row's newest tokens every
-    step (`StopStringMatcher`); without them nothing is decoded.
+    step (`StopStringMatcher`); without them nothing is decoded. With the `tokenizer`, a model whose output has more
+    rows than the tokenizer has ids (padded, as Qwen's and Pythia's are) samples only ids the tokenizer has; the
+    recorded log-probs stay the full model's, as the policy's own pass computes them.
 
     With a fixed seed the output is deterministic; rows share one random stream, so a row's sample depends on the
     batch it is in (as before).
@@ -339,6 +342,9 @@ class TorchGenerationBackend:
         self.kv_cache = kv_cache
         self.compact_below = compact_below
         self.tokenizer = tokenizer  # decodes the newest tokens when stop strings are set
+        # ids past the tokenizer's (a model's output padded past its vocabulary, as Qwen's and Pythia's are) are never
+        # sampled: no tokenizer, reward server or stop string could read them
+        self.sampled_ids = decodable_ids(tokenizer) if tokenizer is not None else None
         # other than float32: every forward under torch.autocast in this dtype (mixed precision; the cache holds it)
         self.compute_dtype = compute_dtype
         # the decode step through torch.compile on the pre-allocated cache, for batches of 2 rows or more (dynamo
@@ -470,12 +476,17 @@ class TorchGenerationBackend:
         hist_lp = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
         finished = torch.zeros(b, dtype=torch.bool, device=dev)
         string_end = torch.zeros(b, dtype=torch.long, device=dev)  # by batch slot, like `finished`
+        limit = self.sampled_ids if self.sampled_ids is not None and self.sampled_ids < logits.shape[-1] else None
+        if limit is not None:
+            log_once(f"the policy scores {logits.shape[-1]} ids and its tokenizer has {limit}: the ids past the "
+                     "tokenizer's are never sampled")
         for t in range(n_new):
             logits = logits.float()
+            sampled = logits if limit is None else logits[:, :limit]
             if params.temperature == 0:
-                nxt = logits.argmax(-1)
+                nxt = sampled.argmax(-1)
             else:
-                scores = logits
+                scores = sampled
                 for w in warpers:
                     scores = w(hist[:, :t], scores)
                 nxt = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen).squeeze(1)
@@ -531,6 +542,16 @@ def decode_step(model: PreTrainedModel, tokens: torch.Tensor, mask: torch.Tensor
 
 # Cache layers whose `batch_select_indices` keeps all their per-row state (linear-attention layers, for one, do not).
 _SELECTABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, PreallocatedLayer)
+
+
+def decodable_ids(tokenizer: PreTrainedTokenizerBase) -> int:
+    """One past the largest id the tokenizer maps to a token (added tokens included)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+@functools.cache
+def log_once(message: str) -> None:
+    log.info(message)
 
 
 def _warpers(params: SamplingParams) -> LogitsProcessorList:

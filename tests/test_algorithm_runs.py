@@ -13,7 +13,12 @@ import sys
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
 
 from actor.clients import RewardClient
 from actor.config import RewardConfig
@@ -21,6 +26,7 @@ from actor.data import Prompt
 from actor.generation import Rollout
 from actor.rollouts import chat_scorer, text_scorer, token_scorer
 from tests.service_procs import ROOT, ServiceProcess, free_port
+from tests.test_generation import padded_output
 
 SMALL = ["checkpointing.enabled=false", "ppo.val_period=0", "ppo.num_prompts_per_step=8",
          "ppo.num_generations_per_prompt=4", "policy.generation_batch_size=16", "policy.train_global_batch_size=16",
@@ -187,6 +193,18 @@ def test_openrlhf_reward_source(reward, tmp_path):
     run = run_actor("grpo", tmp_path / "run2", *SMALL, "reward.source=openrlhf", f"reward.url={dead}",
                     "reward.retries=1", critic_dead())
     assert run.returncode == 1 and dead in run.stderr and "cannot connect after 2 tries" in run.stderr
+
+
+def test_a_policy_padded_past_its_tokenizer_samples_only_ids_the_reward_server_reads(reward, embedded_assets, tmp_path):
+    """A policy whose output has more rows than its tokenizer has ids (as Qwen's and Pythia's are padded): the
+    reward server, sharing the tokenizer, gets token ids and takes only ids in its vocabulary."""
+    padded = tmp_path / "padded"
+    padded_output(AutoModelForCausalLM.from_pretrained(embedded_assets.policy), 16, 3.0).save_pretrained(padded)
+    AutoTokenizer.from_pretrained(embedded_assets.policy).save_pretrained(padded)
+    run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=1", f"policy.model_name={padded}",
+                    f"reward.address={reward.address}", "reward.input=tokens", critic_dead())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the ids past the tokenizer's are never sampled" in run.stderr
 
 
 # --- estimators and sampling ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ controls, stop tokens, EOS counted in the response."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -304,3 +305,33 @@ def test_generation_bench_runs(capsys, precision):
     assert out.count(f"{precision} on cpu") == 2
     # the profile splits each setting's step; only the fixed setting (no rows leaving) has a KV read rate
     assert out.count("milliseconds per decode step") == 2 and out.count("attention reads the KV cache at") == 1
+
+
+def padded_output(model, extra: int, boost: float):
+    """`model` with `extra` output rows past its vocabulary (as Qwen's and Pythia's are padded), whose logits are
+    `boost` standard deviations high, so that a plain sampler picks them often."""
+    padded = copy.deepcopy(model)
+    n = padded.get_output_embeddings().weight.shape[0]
+    padded.resize_token_embeddings(n + extra)
+    with torch.no_grad():
+        head = padded.get_output_embeddings().weight
+        head[n:] = head[:n].std(0) * boost
+    return padded.eval()
+
+
+def test_ids_past_the_tokenizer_are_never_sampled_and_log_probs_stay_the_full_models(setup):
+    tok, model, prompts, _ = setup
+    padded = padded_output(model, 16, 3.0)
+    params = SamplingParams(max_new_tokens=12)
+    plain = TorchGenerationBackend(padded, tok.pad_token_id, torch.device("cpu")).generate(prompts * 4, params, seed=3)
+    assert int(plain.tokens.max()) >= len(tok)  # without the tokenizer, the padding rows are sampled
+    r = TorchGenerationBackend(padded, tok.pad_token_id, torch.device("cpu"), tokenizer=tok).generate(
+        prompts * 4, params, seed=3)
+    assert int(r.tokens.max()) < len(tok)
+    # the recorded log-probs are the full model's, as the policy's own pass computes them
+    with torch.no_grad():
+        valid = (torch.arange(r.tokens.shape[1])[None, :] < r.lengths[:, None]).long()
+        full = torch.log_softmax(padded(input_ids=r.tokens, attention_mask=valid).logits.float(), -1)
+    taken = full[:, :-1].gather(2, r.tokens[:, 1:, None]).squeeze(2)
+    mask = r.action_mask().bool()
+    torch.testing.assert_close(r.logprobs[mask], taken[mask], atol=1e-5, rtol=0)
