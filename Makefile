@@ -19,8 +19,9 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 TRL_PINS := trl==1.12.0 accelerate==1.15.0 datasets==5.2.0
 
 # Two workers, a test file each: every process of the suite runs one torch thread (tests/conftest.py) and a test
-# mostly waits on one process at a time, so a single worker leaves the second core idle. PYTEST_WORKERS=0 runs
-# the suite in one process.
+# mostly waits on one process at a time, so a single worker leaves the second core idle. The files go out in the
+# order tests/conftest.py sets (--no-loadscope-reorder keeps it): the second worker runs the files that need no
+# embedded build while the first builds it. PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
 PYTEST_FLAGS ?= -q -ra --durations=15 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

@@ -71,22 +71,29 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
         return cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
                                    key_mapping=_HEAD_ALIASES, **remote)
 
-    cls = scalar_head_class(config, trust_remote_code)
-    model, info = load(cls)
-    if cls is AutoModelForTokenClassification and getattr(model, "score", None) is None:
-        # a token-classification head under another name (GPT-2's and BLOOM's `classifier`): the sequence layout
-        model, info = load(scalar_head_class(config, trust_remote_code, token_classification=False))
+    model, info = load(scalar_head_class(config, trust_remote_code))
     # transformers reverses a load's key mapping when the model is saved: the critic's checkpoints keep `score`
     if getattr(model, "_weight_conversions", None):
         model._weight_conversions = [c for c in model._weight_conversions
                                      if getattr(c, "source_patterns", None) != list(_HEAD_ALIASES)]
-    score = getattr(model, "score", None)
-    if score is None:
+    name, head = score_head(model)
+    if head is None:
         raise NoScoreHead(f"{path}: {type(model).__name__} has no `score` head; the critic reads a linear `score` "
                           f"over a decoder body's hidden states at every position, as transformers' decoder models lay "
                           f"out sequence classification (an encoder such as BERT or DeBERTa serves as a reward model "
                           f"only)")
-    return _checked(path, model, info, {name for name, _ in score.named_parameters(prefix="score")}, trained_head)
+    return _checked(path, model, info, {n for n, _ in head.named_parameters(prefix=name)}, trained_head)
+
+
+def score_head(model: PreTrainedModel) -> tuple[str, torch.nn.Module | None]:
+    """(name, module) of the linear head that scores the body's hidden states at every position: `score`, as
+    transformers' decoders name it, or the `classifier` of a token-classification model whose family names it so
+    (GPT-2, GPT-NeoX, BLOOM, Falcon, MPT, ...: verl saves its critics and reward models of those families so)."""
+    if getattr(model, "score", None) is not None:
+        return "score", model.score
+    if type(model).__name__.endswith("ForTokenClassification") and getattr(model, "classifier", None) is not None:
+        return "classifier", model.classifier
+    return "score", None
 
 
 def _checked(path: str, model: PreTrainedModel, info: dict, head: set[str], trained_head: bool) -> PreTrainedModel:
@@ -133,19 +140,19 @@ def sequence_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
     return model(input_ids=tokens, attention_mask=mask).logits[:, 0].float()
 
 
-def scalar_head_class(config: PretrainedConfig, trust_remote_code: bool = False, *,
-                      token_classification: bool = True) -> type:
+def scalar_head_class(config: PretrainedConfig, trust_remote_code: bool = False) -> type:
     """The class that loads `config`'s model type with a linear `score` head. A checkpoint saved as a
-    `*ForTokenClassification` (verl trains its critics and reward models so: the same body and a `score` head with a
-    bias) loads with `AutoModelForTokenClassification`, which keeps that bias (the sequence-classification head has
-    none, so the bias would be dropped). Otherwise `AutoModelForSequenceClassification` where transformers (or, with
+    `*ForTokenClassification` (verl trains its critics and reward models so: the same body and a head with a bias,
+    `score`, or `classifier` in GPT-2's, GPT-NeoX's, BLOOM's families: `score_head`) loads with
+    `AutoModelForTokenClassification`, which keeps that bias (the sequence-classification head has none, so the bias
+    would be dropped). Otherwise `AutoModelForSequenceClassification` where transformers (or, with
     `trust_remote_code`, the checkpoint's own code) has a sequence-classification class for the type; otherwise one
     built from the type's base model (`AutoModel`), laid out as transformers' own `GenericForSequenceClassification`
     classes are (the body under the type's `base_model_prefix`, then `score`), so it loads the body of a causal-LM
     checkpoint of that type and its saved checkpoints load back the same way (Granite, Cohere, CodeGen, Gemma 3n,
     Llama 4, ... have no such class)."""
     architectures = getattr(config, "architectures", None) or []
-    if token_classification and type(config) in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING and any(
+    if type(config) in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING and any(
             str(a).endswith("ForTokenClassification") for a in architectures):
         return AutoModelForTokenClassification
     auto_map = getattr(config, "auto_map", None) or {}
@@ -371,7 +378,7 @@ def per_token_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torc
     mask = attention_mask_from_lengths(lengths, tokens.shape[1])
     body = getattr(model, model.base_model_prefix)
     hidden = body(input_ids=tokens, attention_mask=mask).last_hidden_state
-    scores = model.score(hidden).squeeze(-1).float()
+    scores = score_head(model)[1](hidden).squeeze(-1).float()
     return scores * mask
 
 

@@ -777,21 +777,26 @@ def test_a_critic_starts_from_a_policy_whose_type_has_no_sequence_classification
         torch.testing.assert_close(per_token_scores(model, tokens, lengths), before, atol=1e-6, rtol=1e-5)
 
 
-def test_a_token_classification_checkpoint_is_served_with_its_head_bias(embedded_assets, log_dir, tmp_path):
-    """verl saves its critics and reward models as `*ForTokenClassification`, whose `score` head has a bias (the
-    sequence-classification head has none, and loading it so dropped the bias): as the critic's start and as its
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_token_classification_checkpoint_is_served_with_its_head_bias(family, embedded_assets, log_dir, tmp_path):
+    """verl saves its critics and reward models as `*ForTokenClassification`, whose head has a bias (the
+    sequence-classification head has none, and loading it so dropped the bias), named `score` (Llama's family) or
+    `classifier` (GPT-2's, GPT-NeoX's, BLOOM's, whose head was not read at all): as the critic's start and as its
     combined reward model, values and rewards are what that model computes, bias included, and the critic's
-    checkpoint is the same class with the bias."""
-    from transformers import AutoModelForTokenClassification, LlamaConfig, LlamaForTokenClassification
+    checkpoint is the same class with the head under its own name."""
+    from transformers import AutoModelForTokenClassification, GPT2Config, LlamaConfig
 
     tokenizer = load_tokenizer(str(embedded_assets.policy))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    ids = {"vocab_size": len(tokenizer), "num_labels": 1, "pad_token_id": tokenizer.pad_token_id,
+           "eos_token_id": tokenizer.eos_token_id}
+    config = (LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=64, max_position_embeddings=64, **ids) if family == "llama" else
+              GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **ids))
     torch.manual_seed(0)
-    model = LlamaForTokenClassification(config).eval()
+    model = AutoModelForTokenClassification.from_config(config).eval()
+    head = "score" if family == "llama" else "classifier"
     with torch.no_grad():
-        model.score.bias.fill_(0.75)
+        getattr(model, head).bias.fill_(0.75)
     model.save_pretrained(tmp_path / "verl")
     tokenizer.save_pretrained(tmp_path / "verl")
     tokens, lengths = batch(61)
@@ -809,7 +814,7 @@ def test_a_token_classification_checkpoint_is_served_with_its_head_bias(embedded
     torch.testing.assert_close(decode(reply.rewards, "rewards"), logits.gather(1, (lengths - 1)[:, None]).squeeze(1),
                                atol=1e-5, rtol=1e-5)
     reloaded = AutoModelForTokenClassification.from_pretrained(saved)
-    assert type(reloaded).__name__ == "LlamaForTokenClassification" and float(reloaded.score.bias.detach()) == 0.75
+    assert type(reloaded) is type(model) and float(getattr(reloaded, head).bias.detach()) == 0.75
 
 
 def test_a_checkpoint_whose_body_matches_nothing_is_refused_at_start(embedded_assets, log_dir, tmp_path):
