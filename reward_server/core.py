@@ -6,6 +6,7 @@ server's single model thread (serving.batching), on several merged requests at o
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from serving.errors import InvalidArgument
 from serving.modeling import (
     NO_LENGTH_LIMIT,
     TORCH_DTYPES,
+    ModelPass,
     NoScoreHead,
     at_last_token,
     by_length,
@@ -90,18 +92,14 @@ class RewardCore:
             except NoScoreHead:  # an encoder's own pooling and head over the whole sequence
                 self.model = load_sequence_classifier(path, TORCH_DTYPES[cfg.dtype],
                                                       trust_remote_code=cfg.trust_remote_code)
-                self.scores = compiled(sequence_scores, cfg.compile, "compile", self.device)
-                # pairs as trained, unless the model tells segments apart by token type ids (BERT's), which the
-                # passes do not carry: texts alone then
-                self.encoder = getattr(self.model.config, "type_vocab_size", 0) <= 1
-                log.info("%s scores whole sequences through its own %s head; %s", cfg.model, type(self.model).__name__,
-                         "a text that starts with its prompt is encoded as the pair (prompt, response)" if self.encoder
-                         else "texts are encoded alone (its pairs would need token type ids)")
+                self.encoder = True
             self.model = self.model.to(self.device).eval()
             self.model.requires_grad_(False)
             self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",
                                                          cfg.model)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path, cfg.trust_remote_code)
+            if self.encoder:
+                self.scores = compiled(self._encoder_scores(), cfg.compile, "compile", self.device)
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
             if cfg.compile:  # compiled now, before ready, not at the first Score
@@ -118,6 +116,17 @@ class RewardCore:
                            if i is not None and 0 <= i < self.vocab_size)
         log.info("reward %s loaded on %s (vocab %d, max length %d, components %s)", self.source, self.device,
                  self.vocab_size, self.max_length, self.component_scorers)
+
+    def _encoder_scores(self) -> ModelPass:
+        """An encoder's scores of the pairs (prompt, response) it was trained on, typed by token type ids as its
+        tokenizer types them where both the model (`type_vocab_size` > 1: BERT's, ELECTRA's) and the tokenizer (its
+        `model_input_names`) use them."""
+        typed = (getattr(self.model.config, "type_vocab_size", 0) > 1 and self.tokenizer.sep_token_id is not None
+                 and "token_type_ids" in self.tokenizer.model_input_names)
+        log.info("%s scores whole sequences through its own %s head; a text that starts with its prompt is encoded as "
+                 "the pair (prompt, response)%s", self.cfg.model, type(self.model).__name__,
+                 ", the response typed 1 after the first separator" if typed else "")
+        return functools.partial(sequence_scores, separator=self.tokenizer.sep_token_id if typed else None)
 
     @property
     def source(self) -> str:

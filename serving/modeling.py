@@ -134,10 +134,18 @@ def load_sequence_classifier(path: str, dtype: torch.dtype = torch.float32, *,
                     trained_head=True)
 
 
-def sequence_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """A sequence classifier's score of each right-padded row (its own pooling and head), float32 [B]."""
+def sequence_scores(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor, *,
+                    separator: int | None = None) -> torch.Tensor:
+    """A sequence classifier's score of each right-padded row (its own pooling and head), float32 [B]. A model that
+    tells a pair's segments apart by token type ids (BERT's, ELECTRA's) takes the tokenizer's `separator` id: the
+    tokens after a row's first separator are its second segment (type 1), as the tokenizer types
+    `[CLS] a [SEP] b [SEP]`; a row without a second segment is all type 0."""
     mask = attention_mask_from_lengths(lengths, tokens.shape[1])
-    return model(input_ids=tokens, attention_mask=mask).logits[:, 0].float()
+    types = {}
+    if separator is not None:
+        sep = (tokens == separator).long()
+        types["token_type_ids"] = ((sep.cumsum(1) - sep) > 0).long() * mask
+    return model(input_ids=tokens, attention_mask=mask, **types).logits[:, 0].float()
 
 
 def scalar_head_class(config: PretrainedConfig, trust_remote_code: bool = False) -> type:
@@ -306,7 +314,7 @@ def require_compiler(key: str, device: torch.device) -> None:
 def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> ModelPass:
     """`fn(model, tokens, lengths)` compiled by torch.compile when `enabled` (else `fn` itself), with dynamic shapes:
     one graph per model and grad mode serves every bucket width and row count, one row and one token included
-    (`fn` returns per-position outputs, [B, S, ...]). Each first call compiles (tens of seconds on a CPU; see
+    (`fn` returns per-position outputs, [B, S, ...], or one per row, [B]). Each first call compiles (tens of seconds on a CPU; see
     `warm_up`); the passes then run inductor's fused kernels, with float results equal to eager up to reduction
     order. Refused here, naming `key`, where it cannot compile (`require_compiler`)."""
     if not enabled:
@@ -326,7 +334,7 @@ def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> Mo
             tokens = torch.cat([tokens, tokens], dim=1)
         out = graph(model, tokens.clone(memory_format=torch.contiguous_format),
                     lengths.clone(memory_format=torch.contiguous_format))
-        return out[:rows, :width]
+        return out[:rows, :width] if out.dim() > 1 else out[:rows]  # per position, or per row (sequence_scores)
 
     return pass_
 

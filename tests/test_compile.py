@@ -91,3 +91,18 @@ def test_no_cxx_compiler_is_refused_at_start(embedded_cache, log_dir, tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with 1"):
         reward.start()
     assert "compile=true" in reward.log() and "C++ compiler" in reward.log(), reward.log()[-2000:]
+
+
+def test_a_compiled_pass_with_one_output_per_row_keeps_its_rows():
+    """An encoder reward model's pass (`sequence_scores`) gives one score per row, not one per position: compiled, a
+    lone row and a one-token batch (run padded, as dynamo compiles size 1 apart) come back with their own rows."""
+    from serving.modeling import compiled
+
+    def per_row(model, tokens, lengths):  # reads the valid positions only, as a masked pass does
+        valid = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        return (tokens * valid).float().sum(1) + lengths
+
+    fn = compiled(per_row, True, "compile", torch.device("cpu"))
+    for tokens in (torch.tensor([[1, 2, 3]]), torch.tensor([[4], [5], [6]]), torch.tensor([[1, 2], [3, 4], [5, 6]])):
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1])
+        torch.testing.assert_close(fn(None, tokens, lengths), per_row(None, tokens, lengths))

@@ -536,23 +536,32 @@ def test_texts_are_scored_as_the_reward_model_s_tokenizer_encodes_a_text(embedde
     torch.testing.assert_close(decode(reply.rewards, "rewards"), expected, atol=1e-5, rtol=1e-5)
 
 
-def encoder_reward_model(words: list[str], path: Path) -> Path:
-    """A random one-label DeBERTa-v2 reward model and a word-level BERT-style tokenizer (`[CLS] a [SEP] b [SEP]`), as
-    OpenAssistant's DeBERTa reward models are laid out: a `classifier` over the pooled first token, no `score`."""
+def encoder_reward_model(words: list[str], path: Path, family: str = "deberta") -> Path:
+    """A random one-label DeBERTa-v2 reward model (or BERT, whose pairs' segments differ by token type ids) and a
+    word-level BERT-style tokenizer (`[CLS] a [SEP] b [SEP]`, the second segment typed 1), as OpenAssistant's
+    DeBERTa reward models are laid out: a `classifier` over the pooled first token, no `score`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, PreTrainedTokenizerFast
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        DebertaV2Config,
+        DebertaV2ForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
 
     vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *sorted(words)])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     core.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                         special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    typed = ["token_type_ids"] if family == "bert" else []  # BERT's tokenizers return them
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                        sep_token="[SEP]")
+                                        sep_token="[SEP]", model_input_names=["input_ids", *typed, "attention_mask"])
     torch.manual_seed(0)
-    model = DebertaV2ForSequenceClassification(DebertaV2Config(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=128, num_labels=1, pad_token_id=0))
+    shape = {"vocab_size": len(vocab), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 64, "max_position_embeddings": 128, "num_labels": 1, "pad_token_id": 0}
+    model = (DebertaV2ForSequenceClassification(DebertaV2Config(**shape)) if family == "deberta" else
+             BertForSequenceClassification(BertConfig(type_vocab_size=2, **shape)))
     with torch.no_grad():  # scores of order 1, so that a pair and the same words as one text score apart
         model.classifier.weight.mul_(1000)
     model.save_pretrained(path)
@@ -560,13 +569,15 @@ def encoder_reward_model(words: list[str], path: Path) -> Path:
     return path
 
 
-def test_an_encoder_reward_model_scores_prompt_response_pairs_with_its_own_head(tokenizer, log_dir, tmp_path):
-    """An encoder reward model (DeBERTa, as OpenAssistant's) has no per-position `score`: the server scores each
-    sample through the model's own pooling and head, a text with its prompt as the pair (prompt, response) it was
-    trained on, a text alone as `[CLS] text [SEP]`; the critic refuses such a model, which gives no per-token values."""
+@pytest.mark.parametrize("family", ["deberta", "bert"])
+def test_an_encoder_reward_model_scores_prompt_response_pairs_with_its_own_head(family, tokenizer, log_dir, tmp_path):
+    """An encoder reward model (DeBERTa, as OpenAssistant's; BERT, whose pairs' segments differ by token type ids) has
+    no per-position `score`: the server scores each sample through the model's own pooling and head, a text with its
+    prompt as the pair (prompt, response) it was trained on, typed as its tokenizer types a pair, a text alone as
+    `[CLS] text [SEP]`; the critic refuses such a model, which gives no per-token values."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = encoder_reward_model([w for w in tokenizer.get_vocab() if not w.startswith("<")], tmp_path / "deberta")
+    path = encoder_reward_model([w for w in tokenizer.get_vocab() if not w.startswith("<")], tmp_path / family, family)
     prompts, responses = ["river castle", "city garden forest"], [" good good", " bad"]
     with ServiceProcess("reward", "--model", str(path), log_dir=log_dir) as proc:
         channel, stub = open_stub(proc)
@@ -582,6 +593,8 @@ def test_an_encoder_reward_model_scores_prompt_response_pairs_with_its_own_head(
     torch.testing.assert_close(decode(paired.rewards, "rewards"), torch.tensor(expected), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(decode(alone.rewards, "rewards"), torch.tensor([whole]), atol=1e-5, rtol=1e-5)
     assert abs(whole - expected[0]) > 1e-3  # the pair is not the text alone
+    if family != "deberta":
+        return
     done = subprocess.run([sys.executable, "-m", "critic_server", "--port", "0", "--http-port", "0", "--model",
                            str(path), "--checkpoint-dir", str(tmp_path / "ckpt")], cwd=ROOT, check=False,
                           capture_output=True, text=True, timeout=120)
