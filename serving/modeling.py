@@ -35,6 +35,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_MASKED_LM_MAPPING,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
     MODEL_MAPPING,
@@ -88,10 +89,13 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
 def score_head(model: PreTrainedModel) -> tuple[str, torch.nn.Module | None]:
     """(name, module) of the linear head that scores the body's hidden states at every position: `score`, as
     transformers' decoders name it, or the `classifier` of a token-classification model whose family names it so
-    (GPT-2, GPT-NeoX, BLOOM, Falcon, MPT, ...: verl saves its critics and reward models of those families so)."""
+    (GPT-2, GPT-NeoX, BLOOM, Falcon, MPT, ...: verl saves its critics and reward models of those families so). An
+    encoder's token classifier (BERT's, DeBERTa's: model types with a masked-LM class) has none: its every position
+    sees the tokens after it, so it cannot value a prefix."""
     if getattr(model, "score", None) is not None:
         return "score", model.score
-    if type(model).__name__.endswith("ForTokenClassification") and getattr(model, "classifier", None) is not None:
+    if (type(model).__name__.endswith("ForTokenClassification") and getattr(model, "classifier", None) is not None
+            and type(model.config) not in MODEL_FOR_MASKED_LM_MAPPING):
         return "classifier", model.classifier
     return "score", None
 

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.modeling import (
+    NoScoreHead,
     attention_mask_from_lengths,
     load_scalar_head_model,
     load_tokenizer,
@@ -815,6 +816,23 @@ def test_a_token_classification_checkpoint_is_served_with_its_head_bias(family, 
                                atol=1e-5, rtol=1e-5)
     reloaded = AutoModelForTokenClassification.from_pretrained(saved)
     assert type(reloaded) is type(model) and float(getattr(reloaded, head).bias.detach()) == 0.75
+
+
+def test_an_encoders_token_classifier_is_refused_as_a_critic(tmp_path):
+    """An encoder's token classifier (BERT's `classifier` at every position) sees the tokens after each position, so
+    it cannot value a prefix: unlike a decoder's, its head is not read as a critic's."""
+    from transformers import BertConfig, BertForTokenClassification, GPT2Config, GPT2ForTokenClassification
+
+    for model, refused in ((BertForTokenClassification(BertConfig(
+            vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            num_labels=1)), True), (GPT2ForTokenClassification(GPT2Config(
+                vocab_size=20, n_embd=16, n_layer=1, n_head=2, n_positions=32, num_labels=1)), False)):
+        model.save_pretrained(tmp_path / type(model).__name__)
+        if refused:
+            with pytest.raises(NoScoreHead):
+                load_scalar_head_model(str(tmp_path / type(model).__name__))
+        else:
+            assert type(load_scalar_head_model(str(tmp_path / type(model).__name__))) is type(model)
 
 
 def test_a_checkpoint_whose_body_matches_nothing_is_refused_at_start(embedded_assets, log_dir, tmp_path):
