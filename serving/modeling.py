@@ -78,7 +78,9 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
         model._weight_conversions = [c for c in model._weight_conversions
                                      if getattr(c, "source_patterns", None) != list(_HEAD_ALIASES)]
     name, head = score_head(model)
-    if head is None:
+    if head is None or (name == "classifier" and type(config) in MODEL_FOR_MASKED_LM_MAPPING):
+        # an encoder's token classifier (BERT's, DeBERTa's: a model type with a masked-LM class) sees the tokens after
+        # each position, so it cannot value a prefix
         raise NoScoreHead(f"{path}: {type(model).__name__} has no `score` head; the critic reads a linear `score` "
                           f"over a decoder body's hidden states at every position, as transformers' decoder models lay "
                           f"out sequence classification (an encoder such as BERT or DeBERTa serves as a reward model "
@@ -89,14 +91,12 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
 def score_head(model: PreTrainedModel) -> tuple[str, torch.nn.Module | None]:
     """(name, module) of the linear head that scores the body's hidden states at every position: `score`, as
     transformers' decoders name it, or the `classifier` of a token-classification model whose family names it so
-    (GPT-2, GPT-NeoX, BLOOM, Falcon, MPT, ...: verl saves its critics and reward models of those families so). An
-    encoder's token classifier (BERT's, DeBERTa's: model types with a masked-LM class) has none: its every position
-    sees the tokens after it, so it cannot value a prefix."""
+    (GPT-2, GPT-NeoX, BLOOM, Falcon, MPT, ...: verl saves its critics and reward models of those families so).
+    `load_scalar_head_model` accepts a model only with a head, and a `classifier` only over a decoder."""
     if getattr(model, "score", None) is not None:
         return "score", model.score
-    if (type(model).__name__.endswith("ForTokenClassification") and getattr(model, "classifier", None) is not None
-            and type(model.config) not in MODEL_FOR_MASKED_LM_MAPPING):
-        return "classifier", model.classifier
+    if type(model).__name__.endswith("ForTokenClassification"):
+        return "classifier", getattr(model, "classifier", None)
     return "score", None
 
 
@@ -318,9 +318,9 @@ def require_compiler(key: str, device: torch.device) -> None:
 def compiled(fn: ModelPass, enabled: bool, key: str, device: torch.device) -> ModelPass:
     """`fn(model, tokens, lengths)` compiled by torch.compile when `enabled` (else `fn` itself), with dynamic shapes:
     one graph per model and grad mode serves every bucket width and row count, one row and one token included
-    (`fn` returns per-position outputs, [B, S, ...], or one per row, [B]). Each first call compiles (tens of seconds on a CPU; see
-    `warm_up`); the passes then run inductor's fused kernels, with float results equal to eager up to reduction
-    order. Refused here, naming `key`, where it cannot compile (`require_compiler`)."""
+    (`fn` returns per-position outputs, [B, S, ...], or one per row, [B]). Each first call compiles (tens of seconds
+    on a CPU; see `warm_up`); the passes then run inductor's fused kernels, with float results equal to eager up to
+    reduction order. Refused here, naming `key`, where it cannot compile (`require_compiler`)."""
     if not enabled:
         return fn
     require_compiler(key, device)
