@@ -88,7 +88,6 @@ class RewardCore:
             try:  # a decoder's `score` at the last valid position
                 self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True,
                                                     trust_remote_code=cfg.trust_remote_code)
-                self.scores = at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device))
             except NoScoreHead:  # an encoder's own pooling and head over the whole sequence
                 self.model = load_sequence_classifier(path, TORCH_DTYPES[cfg.dtype],
                                                       trust_remote_code=cfg.trust_remote_code)
@@ -98,8 +97,8 @@ class RewardCore:
             self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",
                                                          cfg.model)
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path, cfg.trust_remote_code)
-            if self.encoder:
-                self.scores = compiled(self._encoder_scores(), cfg.compile, "compile", self.device)
+            self.scores = (compiled(self._encoder_scores(), cfg.compile, "compile", self.device) if self.encoder
+                           else at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device)))
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
             if cfg.compile:  # compiled now, before ready, not at the first Score

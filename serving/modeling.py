@@ -4,8 +4,8 @@ Token batches are right-padded int64 [B, S] with int64 lengths [B] everywhere.
 
 Critic and reward model are both `AutoModelForSequenceClassification` checkpoints with `num_labels=1`
 (or the same layout built here for model types transformers has no such class for; or, for checkpoints saved as
-`*ForTokenClassification` as verl saves them, that class, whose `score` head has a bias): a causal-LM body plus a
-linear `score` head, which `from_pretrained` loads as-is. The critic reads the
+`*ForTokenClassification` as verl saves them, that class, whose head has a bias and is named `classifier` in GPT-2's
+family: `score_head`): a causal-LM body plus a linear head, which `from_pretrained` loads as-is. The critic reads the
 head at every position (values), the reward model at the last valid position (rewards).
 """
 
