@@ -19,18 +19,18 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from embedded import resolve_model
 
 from .checkpoints import ResumeError
 from .config import LoraConfig, PolicyConfig
+
+if TYPE_CHECKING:  # peft loads only for a LoRA policy: a quarter second of every actor start otherwise
+    from peft import PeftModel
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,9 @@ def freeze_lower_layers(model: PreTrainedModel, num_unfrozen: int) -> str:
 
 def add_adapters(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
     """The model with fresh LoRA adapters (B = 0, so it computes what the base model does); only they train."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     targets = cfg.target_modules
     try:
         return get_peft_model(model, PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -169,6 +172,8 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
 def merged_state_dict(adapted: PeftModel) -> dict[str, torch.Tensor]:
     """The base model's state dict (its own key names) with every active adapter merged in, W + (alpha/r) B A, on the
     CPU; the model being trained is left untouched (peft's merge_and_unload would change it in place)."""
+    from peft.tuners.lora import LoraLayer
+
     base = adapted.get_base_model()
     merged = {k.replace(".base_layer.", "."): v.detach().cpu()
               for k, v in base.state_dict().items() if ".lora_" not in k}
@@ -241,6 +246,8 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
                                                  trust_remote_code=cfg.trust_remote_code)
     adapted = None
     if cfg.lora is not None:
+        from peft import PeftModel
+
         adapted = (PeftModel.from_pretrained(model, str(saved), is_trainable=True) if holds_adapter
                    else add_adapters(model, cfg.lora))
         model = adapted.get_base_model()

@@ -123,14 +123,13 @@ class MetricsTracker:
         self.bar.write(text)
 
     def plot_reward_curve(self) -> Path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # matplotlib's object API with the Agg canvas: no pyplot state or backend selection (a third of its import)
+        from matplotlib.figure import Figure
 
         train = [r for r in self.history if "train_rollouts/rewards" in r]
         steps = [r["step"] for r in train]
-        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+        fig = Figure(figsize=(6, 3.5), dpi=120)
+        ax = fig.add_subplot()
         ax.plot(steps, [r["train_rollouts/rewards"] for r in train], marker="o", label="reward (rollouts)")
         for key in sorted({k for r in train for k in r if k.startswith("train_rollouts/reward/")}):
             ax.plot(steps, [r.get(key, float("nan")) for r in train], linestyle="--",
@@ -145,7 +144,6 @@ class MetricsTracker:
         fig.tight_layout()
         path = self.run_dir / "reward_curve.png"
         fig.savefig(path)
-        plt.close(fig)
         return path
 
     def close(self) -> None:

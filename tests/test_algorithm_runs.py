@@ -57,6 +57,13 @@ def critic(embedded_cache, log_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def exact_match(embedded_cache, log_dir):
+    """A rule-based reward server that pays a response equal to its prompt's label: one component."""
+    with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def labelled_prompts(embedded_assets, tmp_path_factory):
     """Embedded prompts with a label each: a positive word, so exact_match pays responses that are just it."""
     path = tmp_path_factory.mktemp("data") / "labelled.jsonl"
@@ -89,15 +96,15 @@ def permuted_reward_model(embedded_assets, tmp_path_factory):
 # --- rewards ------------------------------------------------------------------------------------------------
 
 
-def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_cache, embedded_assets, log_dir):
+def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_assets, exact_match):
     tok = AutoTokenizer.from_pretrained(embedded_assets.policy)
     prompt, good, bad = tok("river =>")["input_ids"], tok("good")["input_ids"], tok("bad")["input_ids"]
     rows = [prompt + good, prompt + bad, prompt + good]
     tokens = torch.tensor(rows)
     rollout = Rollout(tokens, torch.tensor([len(r) for r in rows]), torch.tensor([len(prompt)] * 3),
                       torch.ones(3, dtype=torch.bool))
-    with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
-        client = RewardClient(RewardConfig(address=server.address))
+    client = RewardClient(RewardConfig(address=exact_match.address))
+    try:
         prompts = [Prompt(prompt, messages=[{"role": "user", "content": "river =>"}])] * 3
         rewards, _ = token_scorer(client)(rollout, prompts, ["good", "good", "bad"]).result()
         assert rewards.tolist() == [1.0, 0.0, 0.0]
@@ -115,21 +122,21 @@ def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_cache, embedded_
                 for x in labels] == [0.0, 1.0]
         # a conversation's response never carries the policy's special tokens
         assert [chat_scorer(client, tok)(ended, prompts[:1], [x]).result()[0].item() for x in labels] == [1.0, 0.0]
+    finally:
         client.close()
 
 
-def test_grpo_with_exact_match_on_labelled_prompts(embedded_cache, labelled_prompts, log_dir, tmp_path):
-    with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
-        run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", f"reward.address={server.address}",
-                        f"data.train_file={labelled_prompts}", critic_dead())
-        assert run.returncode == 0, run.stderr[-3000:]
-        rows = metrics(tmp_path / "run")
-        assert [r["step"] for r in rows] == [1, 2]
-        assert all("train_rollouts/reward/exact_match" in r for r in rows)
-        # without labels the scorer cannot work: a start-up error naming the line and the key
-        run = run_actor("grpo", tmp_path / "run2", *SMALL, f"reward.address={server.address}", critic_dead())
-        assert run.returncode == 1
-        assert "prompts_train.jsonl:1" in run.stderr and "data.label_key" in run.stderr, run.stderr[-2000:]
+def test_grpo_with_exact_match_on_labelled_prompts(exact_match, labelled_prompts, tmp_path):
+    run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", f"reward.address={exact_match.address}",
+                    f"data.train_file={labelled_prompts}", critic_dead())
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("train_rollouts/reward/exact_match" in r for r in rows)
+    # without labels the scorer cannot work: a start-up error naming the line and the key
+    run = run_actor("grpo", tmp_path / "run2", *SMALL, f"reward.address={exact_match.address}", critic_dead())
+    assert run.returncode == 1
+    assert "prompts_train.jsonl:1" in run.stderr and "data.label_key" in run.stderr, run.stderr[-2000:]
 
 
 def test_a_reward_model_with_its_own_tokenizer_gets_texts(embedded_cache, permuted_reward_model, log_dir, tmp_path):
@@ -239,21 +246,20 @@ def test_dynamic_sampling_keeps_whole_groups(reward, tmp_path):
         assert r["train_rollouts/loss_tokens_fraction"] == 1.0  # dapo.yaml: overlong_filtering false
 
 
-def test_dynamic_sampling_fails_clearly_at_its_limit(embedded_cache, labelled_prompts, log_dir, tmp_path):
+def test_dynamic_sampling_fails_clearly_at_its_limit(exact_match, labelled_prompts, tmp_path):
     # exact_match against a label no response can equal: every group's rewards are all 0
     path = tmp_path / "never.jsonl"
     path.write_text(labelled_prompts.read_text().replace('"label": "good"', '"label": "no such answer"'))
-    with ServiceProcess("reward", "--scorer", "exact_match", log_dir=log_dir) as server:
-        run = run_actor("dapo", tmp_path / "run", *SMALL, "ppo.dynamic_sampling_max_gen_batches=2",
-                        f"reward.address={server.address}", f"data.train_file={path}", critic_dead())
+    run = run_actor("dapo", tmp_path / "run", *SMALL, "ppo.dynamic_sampling_max_gen_batches=2",
+                    f"reward.address={exact_match.address}", f"data.train_file={path}", critic_dead())
     assert run.returncode == 1
     assert "dynamic sampling kept 0 of the 8 prompt groups" in run.stderr, run.stderr[-2000:]
     assert "ppo.dynamic_sampling_max_gen_batches" in run.stderr
 
 
-def test_gdpo_refuses_a_reward_source_with_one_component(embedded_cache, log_dir, tmp_path):
-    with ServiceProcess("reward", "components=[positive_fraction]", log_dir=log_dir) as server:
-        run = run_actor("gdpo", tmp_path / "run", *SMALL, f"reward.address={server.address}", critic_dead())
+def test_gdpo_refuses_a_reward_source_with_one_component(exact_match, labelled_prompts, tmp_path):
+    run = run_actor("gdpo", tmp_path / "run", *SMALL, f"reward.address={exact_match.address}",
+                    f"data.train_file={labelled_prompts}", critic_dead())
     assert run.returncode == 1 and "gdpo needs at least two reward components" in run.stderr, run.stderr[-2000:]
 
 

@@ -17,6 +17,13 @@ RUN = ["ppo.num_prompts_per_step=8", "ppo.num_generations_per_prompt=4", "policy
        "ppo.val_period=0", "policy.generation.max_new_tokens=8"]
 
 
+@pytest.fixture(scope="module")
+def reward(embedded_cache, log_dir):
+    """The embedded reward server, for the tests that stop or kill something else."""
+    with ServiceProcess("reward", log_dir=log_dir) as server:
+        yield server
+
+
 def start_actor(run_dir, reward_address: str, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"), "--http-port", "0",
            f"run_dir={run_dir}", f"reward.address={reward_address}", f"critic.address=127.0.0.1:{free_port()}",
@@ -77,7 +84,7 @@ def test_a_server_away_longer_than_the_bound_ends_the_run_with_a_checkpoint(embe
     assert meta["step"] == done
 
 
-def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on(embedded_cache, log_dir, tmp_path):
+def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on(reward, log_dir, tmp_path):
     """The critic checkpoints itself after every train step (autosave_every=1) and resumes the latest at start;
     the actor retries the Train in flight (same request id: applied once), notices the restart and goes on. No
     critic step is lost or applied twice: the critic's train step equals the PPO step throughout."""
@@ -85,23 +92,22 @@ def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on
     ckpt = tmp_path / "critic-ckpt"
     args = ("--checkpoint-dir", str(ckpt), "autosave_every=1")
     first = ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
-    with ServiceProcess("reward", log_dir=log_dir) as reward:
-        run_dir = tmp_path / "run"
-        cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
-               f"run_dir={run_dir}", f"reward.address={reward.address}", f"critic.address={first.address}",
-               "ppo.max_num_steps=25", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
-               "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
-               "checkpointing.enabled=false", "logger.num_val_samples_to_print=0"]
-        actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            wait_for_steps(run_dir, 3, actor)
-            first.proc.kill()
-            first.proc.wait()
-            with ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
-                out, _ = actor.communicate(timeout=300)
-        finally:
-            if actor.poll() is None:
-                actor.kill()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
+           f"run_dir={run_dir}", f"reward.address={reward.address}", f"critic.address={first.address}",
+           "ppo.max_num_steps=25", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
+           "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
+           "checkpointing.enabled=false", "logger.num_val_samples_to_print=0"]
+    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run_dir, 3, actor)
+        first.proc.kill()
+        first.proc.wait()
+        with ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
+            out, _ = actor.communicate(timeout=300)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
     assert actor.returncode == 0, out[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 26))
@@ -115,7 +121,7 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("timers/")}
 
 
-def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(embedded_cache, log_dir, tmp_path):
+def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(reward, log_dir, tmp_path):
     """SIGKILL the actor mid-run and start the same command again: it resumes from its latest checkpoint (policy,
     optimizer, data position, random states, KL coefficient; the critic returns to its checkpoint of that step),
     and every step's metrics equal those of a run that was never interrupted."""
@@ -127,22 +133,21 @@ def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(e
         return [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
                 f"run_dir={run_dir}", f"critic.address={critic.address}", f"reward.address={reward.address}", *overrides]
 
-    with ServiceProcess("reward", log_dir=log_dir) as reward:
-        with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-a"), log_dir=log_dir) as critic:
-            whole = subprocess.run(command(tmp_path / "a", critic, reward), check=False, cwd=ROOT,
-                                   capture_output=True, text=True, timeout=300)
-            assert whole.returncode == 0, whole.stderr[-3000:]
-        with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-b"), log_dir=log_dir) as critic:
-            first = subprocess.Popen(command(tmp_path / "b", critic, reward), cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-            try:
-                wait_for_steps(tmp_path / "b", 6, first)
-            finally:
-                first.kill()
-                first.communicate()
-            again = subprocess.run(command(tmp_path / "b", critic, reward), check=False, cwd=ROOT,
-                                   capture_output=True, text=True, timeout=300)
-            assert again.returncode == 0, again.stderr[-3000:]
+    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-a"), log_dir=log_dir) as critic:
+        whole = subprocess.run(command(tmp_path / "a", critic, reward), check=False, cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+        assert whole.returncode == 0, whole.stderr[-3000:]
+    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-b"), log_dir=log_dir) as critic:
+        first = subprocess.Popen(command(tmp_path / "b", critic, reward), cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for_steps(tmp_path / "b", 6, first)
+        finally:
+            first.kill()
+            first.communicate()
+        again = subprocess.run(command(tmp_path / "b", critic, reward), check=False, cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming after step" in again.stderr and "the critic returned to" in again.stderr
     a = [_comparable(json.loads(line)) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     b = [_comparable(json.loads(line)) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -153,13 +158,12 @@ def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(e
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), (ra["step"], key)
 
 
-def test_checkpoint_must_save_by_checkpoints_and_stops(embedded_cache, log_dir, tmp_path):
-    with ServiceProcess("reward", log_dir=log_dir) as reward:
-        run = subprocess.run([sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"),
-                              "--http-port", "0", f"run_dir={tmp_path / 'run'}", f"reward.address={reward.address}",
-                              f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=50",
-                              "checkpointing.checkpoint_must_save_by=00:00:00:01", "checkpointing.save_period=0"],
-                             check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_checkpoint_must_save_by_checkpoints_and_stops(reward, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"),
+                          "--http-port", "0", f"run_dir={tmp_path / 'run'}", f"reward.address={reward.address}",
+                          f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=50",
+                          "checkpointing.checkpoint_must_save_by=00:00:00:01", "checkpointing.save_period=0"],
+                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     steps = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert 1 <= steps < 50
