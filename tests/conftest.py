@@ -16,11 +16,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Seconds each test file took in `make test ARGS=--durations=0` (2 workers, the durations of its tests summed), by which
 # the files are scheduled; a file not listed counts as short. Only the order of the files depends on these.
-FILE_SECONDS = {"test_critic_server.py": 190, "test_algorithm_runs.py": 196, "test_faults.py": 190,
-                "test_model_features.py": 154, "test_compile.py": 149, "test_reward_server.py": 90,
-                "test_end_to_end.py": 78, "test_security.py": 63, "test_async.py": 55, "test_embedded.py": 49,
-                "test_bench_trl.py": 46, "test_generation.py": 28, "test_bench_service_split.py": 25,
-                "test_multiturn.py": 23, "test_demo.py": 18, "test_fuzz.py": 18}
+FILE_SECONDS = {"test_algorithm_runs.py": 239, "test_critic_server.py": 173, "test_compile.py": 139,
+                "test_model_features.py": 138, "test_reward_server.py": 121, "test_faults.py": 118,
+                "test_end_to_end.py": 76, "test_security.py": 69, "test_async.py": 59, "test_bench_trl.py": 51,
+                "test_embedded.py": 46, "test_generation.py": 34, "test_demo.py": 24, "test_bench_service_split.py": 21,
+                "test_multiturn.py": 20, "test_fuzz.py": 18}
 
 
 def pytest_collection_modifyitems(config, items):

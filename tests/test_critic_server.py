@@ -361,7 +361,7 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero(embedded_cache, log_dir)
     proc.proc.send_signal(signal.SIGTERM)
     assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # watchers hear of the shutdown
     deadline = time.monotonic() + 10
-    while httpx.get(f"{proc.http}/ready").status_code != 503 and time.monotonic() < deadline:
+    while httpx.get(f"{proc.http}/ready", verify=proc.tls_context()).status_code != 503 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert httpx.get(f"{proc.http}/ready").status_code == 503  # readiness drops while work drains
     assert not all(p.done() for p in pending)
@@ -374,7 +374,7 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero(embedded_cache, log_dir)
 
 
 def _metric(proc: ServiceProcess, pattern: str) -> float:
-    text = httpx.get(f"{proc.http}/metrics").text
+    text = httpx.get(f"{proc.http}/metrics", verify=proc.tls_context()).text
     m = re.search(pattern + r" ([0-9.e+]+)", text)
     return float(m.group(1)) if m else 0.0
 
