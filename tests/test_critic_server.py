@@ -363,7 +363,7 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero(embedded_cache, log_dir)
     deadline = time.monotonic() + 10
     while httpx.get(f"{proc.http}/ready", verify=proc.tls_context()).status_code != 503 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert httpx.get(f"{proc.http}/ready").status_code == 503  # readiness drops while work drains
+    assert httpx.get(f"{proc.http}/ready", verify=proc.tls_context()).status_code == 503  # readiness drops while work drains
     assert not all(p.done() for p in pending)
     assert all(p.result().train_step > 0 for p in pending)  # accepted work completes
     drained = time.monotonic()
