@@ -17,8 +17,8 @@ definition for both. Each setting first runs both sides once untimed at full siz
 pays for the allocator's growth, page faults included), then alternates: ours, transformers, ... and prints every
 round's tokens/s, mean response length, ratio and the 1-minute load average, then the medians. `--quick` is a tiny
 model and batch that only checks the bench runs. `--device cuda --precision bfloat16` measures the same on a GPU
-(both sides on the same device and dtype; each timed call ends with a device synchronisation); that path has not
-been run where this was written (no GPU).
+(both sides on the same device and dtype; each timed call ends with a device synchronisation); its figures on one
+H100 are in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
 
 from actor.generation import SamplingParams, TorchGenerationBackend
+from serving.modeling import resolve_device
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -155,7 +156,7 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
                   compile_decode: bool = False, device: str = "cpu", precision: str = "float32",
                   profile: bool = False) -> list[float]:
     eos = None if name == "fixed" else EOS
-    dev = torch.device(device)
+    dev = resolve_device(device)  # as the actor's: on CUDA, SDPA's cuDNN backend off (both sides)
     model = build_model(size, eos_bias if eos is not None else 0.0).to(dev, getattr(torch, precision))
     backend = TorchGenerationBackend(model, PAD, dev, compact_below=compact_below, compile_decode=compile_decode)
     prompts = torch.randint(3, size.vocab, (size.batch, size.prompt_len), generator=torch.Generator().manual_seed(1))

@@ -24,8 +24,8 @@ On a GPU (`--device cuda --precision bfloat16`): both sides run bf16 mixed preci
 the critic server and the reward server all on cuda:0; TRL with use_cpu off and its bf16=True): the trained policy
 and value model keep float32 weights and compute in bf16 under autocast, the reward model is held in bf16, and the
 reference is bf16 on TRL's side and float32 under the policy's autocast on ours (bf16 matmuls either way), so both do
-the same work in the same precision; the peak is then the bf16 torch.mm peak of that GPU. The CUDA path has not
-been run where this was written (no GPU); the suite runs the bf16 path on the CPU at --tiny size.
+the same work in the same precision; the peak is then the bf16 torch.mm peak of that GPU. Its figures on one H100
+are in docs/PERFORMANCE.md; the suite runs the bf16 path on the CPU at --tiny size.
 
 Choices, with what was measured on the 2-core machine this was written on (medians of 3 steps):
 - thread budgets of ours (--threads actor,critic,reward), default 1,1,1. W2: 1,1,1 21.3 s/step; 2,1,1 24.9 s;

@@ -47,9 +47,25 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+    """The device a service computes on ('auto': CUDA where torch sees a GPU, else the CPU). On CUDA this also turns
+    off SDPA's cuDNN attention backend for the process (`use_flash_or_efficient_attention`)."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
+    if device.type == "cuda":
+        use_flash_or_efficient_attention()
+    return device
+
+
+def use_flash_or_efficient_attention() -> None:
+    """Keep `scaled_dot_product_attention` off its cuDNN backend (torch then picks flash or memory-efficient attention,
+    the same numerics class). cuDNN builds an execution plan for every new shape, about 2.6 ms per call on an H100,
+    and our shapes change all the time by design: generation drops finished rows from the batch, and padding-free
+    passes and length-sorted micro-batches vary in width. Measured with `python -m bench.generation --device cuda
+    --precision bfloat16` (docs/PERFORMANCE.md): the decode step of a stop-at-EOS generation took 52 ms instead of
+    6.7 ms while its compacted batch sizes were new to cuDNN."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("CUDA: scaled_dot_product_attention's cuDNN backend off (a plan per new shape); flash or "
+                 "memory-efficient attention instead")
 
 
 # OpenRLHF saves its reward and critic models' head as `value_head` (its default `value_head_prefix` before `score`)

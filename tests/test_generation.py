@@ -249,6 +249,23 @@ def test_a_compiled_pass_on_cuda_without_triton_is_refused_naming_its_key():
         require_compiler("compile", torch.device("cuda"))
 
 
+def test_a_cuda_device_turns_sdpa_cudnn_attention_off_and_the_cpu_leaves_it():
+    """The services, the actor and the generation bench resolve their device through `resolve_device`: on CUDA it turns
+    off SDPA's cuDNN backend, whose plan per new shape made stop-at-EOS generation 7x slower on an H100
+    (docs/PERFORMANCE.md). Setting the flag needs no GPU; the effect on speed is measured by the bench only."""
+    from serving.modeling import resolve_device
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert resolve_device("cpu") == torch.device("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert resolve_device("cuda:1") == torch.device("cuda", 1)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 def test_gpt2_runs_on_the_preallocated_cache():
     model, prompts = tiny_model("gpt2"), tiny_prompts()
     backend = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
