@@ -15,7 +15,9 @@ top-k/top-p) on both sides. Two settings:
 Tokens/s = valid response tokens (up to and including the stop token) / wall-clock seconds of the call, the same
 definition for both. Each setting first runs both sides once untimed at full size (the first long run of a process
 pays for the allocator's growth, page faults included), then alternates: ours, transformers, ... and prints every
-round's tokens/s, mean response length, ratio and the 1-minute load average, then the medians. `--quick` is a tiny
+round's tokens/s, mean response length, ratio and the 1-minute load average, then the medians, and what our side
+ran per generation (decode forwards, how many compiled, compactions; with `--compile` also the graphs compiled
+during the timed rounds, 0 when one graph served every batch size and cache length). `--quick` is a tiny
 model and batch that only checks the bench runs. `--device cuda --precision bfloat16` measures the same on a GPU
 (both sides on the same device and dtype; each timed call ends with a device synchronisation); its figures on one
 H100 are in docs/PERFORMANCE.md.
@@ -28,12 +30,12 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
 
-from actor.generation import SamplingParams, TorchGenerationBackend
+from actor.generation import GENERATION_COUNTS, GenerationStats, SamplingParams, TorchGenerationBackend
 from serving.modeling import resolve_device
 
 PAD, BOS, EOS = 0, 1, 2
@@ -106,6 +108,23 @@ def run_hf(model: PreTrainedModel, prompts: torch.Tensor, n: int, eos: int | Non
     return time.perf_counter() - start, valid_tokens(out[:, prompts.shape[1]:], eos)
 
 
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def decode_report(totals: GenerationStats, before: GenerationStats, rounds: int, new_graphs: int | None) -> str:
+    """Our decode work over the timed rounds, per generation: decode forwards, how many ran compiled, compactions
+    (finished rows leaving the batch), and with the compiled step the graphs compiled meanwhile, which should be
+    0: one graph serves every batch size and cache length, so a slow compiled step with 0 here did not recompile."""
+    n = {name: (getattr(totals, name) - getattr(before, name)) / rounds for name in GENERATION_COUNTS}
+    line = (f"  ours per generation: {n['decode_steps']:.0f} decode forwards, {n['compiled_steps']:.0f} of them "
+            f"compiled, {n['compactions']:.1f} compactions")
+    return line + ("" if new_graphs is None else f"; graphs compiled during the timed rounds: {new_graphs}")
+
+
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
@@ -113,10 +132,13 @@ def profile_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int,
     """Where one of our generations spends its time, per decode step: the profiler's self CPU time of the matmuls,
     the attention kernels, the compiled graph's fused kernels and everything else. Without a stop token, also the rate
     at which attention reads the KV cache (every layer's keys and values up to each step's length) against a plain
-    streaming read of 256 MiB (`sum`) on the same threads: the memory bandwidth that bounds it."""
+    streaming read of 256 MiB (`sum`) on the same threads: the memory bandwidth that bounds it. On a GPU the split is
+    of host time (launching the work); it adds the GPU's kernel time and kernel launches per decode step, and the ops
+    that took the most GPU time, in place of the read rate."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = backend.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         seconds, _ = run_ours(backend, prompts, n, eos, seed=20_000)
     steps = max(backend.last_stats.decode_steps, 1)
     ms = {"matmul": 0.0, "attention": 0.0, "compiled graph's fused kernels": 0.0}
@@ -135,6 +157,13 @@ def profile_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int,
           f"milliseconds per decode step (the prefill included):")
     for what, t in ms.items():
         print(f"    {what:<66} {t / steps:6.2f}  ({t / total:4.0%})")
+    kernel_ms, launches = device_work(prof)  # on every device, so that the suite runs it: (0, 0) on the CPU
+    if cuda:  # not run by the suite: CI has no GPU
+        print(f"    on {torch.cuda.get_device_name(backend.device)}: {seconds / steps * 1e3:.2f} ms of wall time a "
+              f"decode step, of which the GPU ran kernels for {kernel_ms / steps:.2f} ms, from {launches / steps:.0f} "
+              f"kernel launches; the ops by GPU time:")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+        return
     if eos is None and ms["attention"] > 0:
         itemsize = next(backend.model.parameters()).element_size()
         per_position = size.layers * 2 * size.batch * size.hidden * itemsize  # K and V of every head
@@ -144,6 +173,18 @@ def profile_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int,
         best = min(_timed(x.sum) for _ in range(10))
         print(f"    attention reads the KV cache at {read / (ms['attention'] / 1e3) / 1e9:.1f} GB/s; a streaming read "
               f"of 256 MiB runs at {x.numel() * 4 / best / 1e9:.1f} GB/s on {torch.get_num_threads()} threads")
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def device_work(prof) -> tuple[float, int]:
+    """(milliseconds the GPU spent in kernels, kernel launches) in a profile with CUDA activity; (0, 0) without."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    kernel_us = sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    return kernel_us / 1e3, sum(1 for e in events if e.name in LAUNCHES)
 
 
 def _timed(fn) -> float:
@@ -170,6 +211,7 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
           f"{', decode step compiled' if compile_decode else ''}; {precision} on {device}")
     print(f"{'round':>5}  {'ours tok/s':>10}  {'mean len':>8}  {'hf tok/s':>10}  {'mean len':>8}  {'ratio':>6}  load")
     ours_tps, hf_tps, ratios = [], [], []
+    before, graphs_before = replace(backend.totals), compiled_graphs()
     for i in range(rounds):
         t_ours, n_ours = run_ours(backend, prompts, n, eos, seed=i)
         t_hf, n_hf = run_hf(model, prompts, n, eos, seed=i)
@@ -180,6 +222,7 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
               f"{n_hf / size.batch:>8.1f}  {ratios[-1]:>5.2f}x  {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'med':>5}  {statistics.median(ours_tps):>10.0f}  {'':>8}  {statistics.median(hf_tps):>10.0f}  {'':>8}  "
           f"{statistics.median(ratios):>5.2f}x")
+    print(decode_report(backend.totals, before, rounds, compiled_graphs() - graphs_before if compile_decode else None))
     if profile:
         profile_ours(backend, prompts, n, eos, size)
     return ratios
@@ -199,12 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides' device")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
     parser.add_argument("--profile", action="store_true", help="after each setting's rounds, profile one more generation "
-                        "of ours and print where a decode step's time goes (CPU only)")
+                        "of ours and print where a decode step's time goes (on a GPU also its kernel time and launches)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
-    if args.profile and args.device != "cpu":
-        parser.error("--profile splits CPU time; on a GPU use a CUDA profiler")
     torch.set_num_threads(args.threads)
     size, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
     print(f"torch {torch.__version__}, {args.threads} threads, {len(os.sched_getaffinity(0))} cores")

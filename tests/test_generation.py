@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -320,6 +321,9 @@ def test_generation_bench_runs(capsys, precision):
     out = capsys.readouterr().out
     assert "fixed:" in out and "eos:" in out and "median speed-up" in out
     assert out.count(f"{precision} on cpu") == 2
+    # what ours ran per generation: eager, so every decode forward uncompiled and no graph count
+    assert len(re.findall(r"ours per generation: [1-9]\d* decode forwards, 0 of them compiled, [\d.]+ compactions\n",
+                          out)) == 2
     # the profile splits each setting's step; only the fixed setting (no rows leaving) has a KV read rate
     assert out.count("milliseconds per decode step") == 2 and out.count("attention reads the KV cache at") == 1
 
