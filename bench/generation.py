@@ -16,8 +16,9 @@ Tokens/s = valid response tokens (up to and including the stop token) / wall-clo
 definition for both. Each setting first runs both sides once untimed at full size (the first long run of a process
 pays for the allocator's growth, page faults included), then alternates: ours, transformers, ... and prints every
 round's tokens/s, mean response length, ratio and the 1-minute load average, then the medians, and what our side
-ran per generation (decode forwards, how many compiled, compactions; with `--compile` also the graphs compiled
-during the timed rounds, 0 when one graph served every batch size and cache length). `--quick` is a tiny
+ran per generation (decode forwards, how many compiled, compactions; with `--compile` also the graphs compiled in
+the setting, its untimed warm-up included: 1 when one graph served every batch size and cache length). `--quick` is
+a tiny
 model and batch that only checks the bench runs. `--device cuda --precision bfloat16` measures the same on a GPU
 (both sides on the same device and dtype; each timed call ends with a device synchronisation); its figures on one
 H100 are in docs/PERFORMANCE.md.
@@ -117,12 +118,14 @@ def compiled_graphs() -> int:
 
 def decode_report(totals: GenerationStats, before: GenerationStats, rounds: int, new_graphs: int | None) -> str:
     """Our decode work over the timed rounds, per generation: decode forwards, how many ran compiled, compactions
-    (finished rows leaving the batch), and with the compiled step the graphs compiled meanwhile, which should be
-    0: one graph serves every batch size and cache length, so a slow compiled step with 0 here did not recompile."""
+    (finished rows leaving the batch), and with the compiled step the graphs compiled in the setting, its untimed
+    warm-up (where the step first compiles) included. One graph serves every batch size and cache length, so more
+    than 1 means dynamo recompiled; counting from before the warm-up also catches recompiles that used up dynamo's
+    recompile limit there and left the timed rounds on eager fallbacks."""
     n = {name: (getattr(totals, name) - getattr(before, name)) / rounds for name in GENERATION_COUNTS}
     line = (f"  ours per generation: {n['decode_steps']:.0f} decode forwards, {n['compiled_steps']:.0f} of them "
             f"compiled, {n['compactions']:.1f} compactions")
-    return line + ("" if new_graphs is None else f"; graphs compiled during the timed rounds: {new_graphs}")
+    return line + ("" if new_graphs is None else f"; graphs compiled in this setting, warm-up included: {new_graphs}")
 
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
@@ -203,6 +206,7 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
     prompts = torch.randint(3, size.vocab, (size.batch, size.prompt_len), generator=torch.Generator().manual_seed(1))
     prompts = prompts.to(dev)
     n = size.max_new_tokens
+    graphs_before = compiled_graphs()
     run_ours(backend, prompts, n, eos, seed=10_000)  # warm-up, untimed
     run_hf(model, prompts, n, eos, seed=10_000)
     stop = f"stop at EOS (EOS logit bias {eos_bias:g})" if eos is not None else "no stop token"
@@ -211,7 +215,7 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
           f"{', decode step compiled' if compile_decode else ''}; {precision} on {device}")
     print(f"{'round':>5}  {'ours tok/s':>10}  {'mean len':>8}  {'hf tok/s':>10}  {'mean len':>8}  {'ratio':>6}  load")
     ours_tps, hf_tps, ratios = [], [], []
-    before, graphs_before = replace(backend.totals), compiled_graphs()
+    before = replace(backend.totals)
     for i in range(rounds):
         t_ours, n_ours = run_ours(backend, prompts, n, eos, seed=i)
         t_hf, n_hf = run_hf(model, prompts, n, eos, seed=i)
