@@ -437,8 +437,8 @@ class PPOTrainer:
             self.save_checkpoint(step)  # stopped early by max_num_epochs
         if n_print and last_batch is not None:
             self.tracker.write("samples after training:\n" + self.samples_table(last_batch, n_print))
-        curve = self.tracker.plot_reward_curve()
-        self.tracker.write(f"reward curve: {curve}")
+        if cfg.logger.reward_curve_enabled:
+            self.tracker.write(f"reward curve: {self.tracker.plot_reward_curve()}")
         return self.tracker.history
 
     def _request_stop(self, signum, frame) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from actor.config import RewardConfig
 from actor.data import Prompt
 from actor.generation import Rollout
 from actor.rollouts import chat_scorer, text_scorer, token_scorer
-from tests.service_procs import ROOT, ServiceProcess, free_port
+from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 from tests.test_generation import padded_output
 
 SMALL = ["checkpointing.enabled=false", "ppo.val_period=0", "ppo.num_prompts_per_step=8",
@@ -34,9 +33,7 @@ SMALL = ["checkpointing.enabled=false", "ppo.val_period=0", "ppo.num_prompts_per
 
 
 def run_actor(config: str, run_dir, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / f"{config}.yaml"), "--http-port", "0",
-           f"run_dir={run_dir}", *overrides]
-    return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(actor_command(config, run_dir, *overrides), check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def metrics(run_dir) -> list[dict]:

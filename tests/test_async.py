@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +19,7 @@ from actor.config import ActorConfig
 from actor.data import Prompt, PromptSampler
 from actor.generation import Rollout
 from serving.config import ConfigError, load_config
-from tests.service_procs import ROOT, ServiceProcess, free_port
+from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 from tests.test_algorithm_runs import metrics
 
 # --- the buffer and the worker, with a generation function of our own ---------------------------------------
@@ -209,9 +208,8 @@ TINY = ["ppo.val_period=0", "logger.num_val_samples_to_print=0", "ppo.num_prompt
 
 
 def actor_cmd(run_dir, reward, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "async_grpo.yaml"), "--http-port", "0",
-            f"run_dir={run_dir}", f"reward.address={reward.address}", f"critic.address=127.0.0.1:{free_port()}",
-            *overrides]
+    return actor_command("async_grpo", run_dir, f"reward.address={reward.address}",
+                         f"critic.address=127.0.0.1:{free_port()}", *overrides)
 
 
 def run_actor(run_dir, reward, *overrides: str) -> subprocess.CompletedProcess:

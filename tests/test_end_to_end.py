@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -17,7 +16,7 @@ from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.modeling import last_token_scores, load_scalar_head_model, per_token_scores
 from tests.grpc_helpers import channel
-from tests.service_procs import ROOT, ServiceProcess, free_port
+from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 
 REQUIRED = ["step", "train_rollouts/rewards", "train_rollouts/init_policy_kl", "train_optim/loss", "critic/loss",
             "timers/rollout_time", "timers/generate", "timers/logprobs", "timers/init_logprobs", "timers/critic_wait",
@@ -28,9 +27,7 @@ TWO_STEPS = ["ppo.max_num_steps=2", "checkpointing.save_period=0", "ppo.val_peri
 
 
 def run_actor(run_dir, *overrides: str, http_port: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", str(http_port),
-           f"run_dir={run_dir}", *TWO_STEPS, *overrides]
-    return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(actor_command("ppo", run_dir, *TWO_STEPS, *overrides, http_port=http_port), check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +42,8 @@ def test_actor_trains_two_steps_and_writes_metrics_and_checkpoints(servers, tmp_
     critic, reward = servers
     port = free_port()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", str(port),
-           f"run_dir={run_dir}", *TWO_STEPS, f"critic.address={critic.address}", f"reward.address={reward.address}"]
+    cmd = actor_command("ppo", run_dir, *TWO_STEPS, f"critic.address={critic.address}", f"reward.address={reward.address}",
+                        http_port=port, reward_curve=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready_seen = False
     deadline = time.monotonic() + 300
@@ -140,9 +137,8 @@ def test_combined_reward_and_critic_server(embedded_cache, embedded_assets, log_
 def test_actor_sigterm_finishes_the_step_checkpoints_and_exits_zero(servers, tmp_path):
     critic, reward = servers
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
-           f"run_dir={run_dir}", *TWO_STEPS, "ppo.max_num_steps=500", f"critic.address={critic.address}",
-           f"reward.address={reward.address}"]
+    cmd = actor_command("ppo", run_dir, *TWO_STEPS, "ppo.max_num_steps=500", f"critic.address={critic.address}",
+                        f"reward.address={reward.address}")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -161,9 +157,9 @@ def test_actor_sigterm_finishes_the_step_checkpoints_and_exits_zero(servers, tmp
 def test_an_actor_started_before_its_servers_waits_for_them(embedded_cache, log_dir, tmp_path):
     critic_port, reward_port = free_port(), free_port()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
-           f"run_dir={run_dir}", *TWO_STEPS, f"critic.address=127.0.0.1:{critic_port}",
-           f"reward.address=127.0.0.1:{reward_port}", "critic.connect_timeout_s=180", "reward.connect_timeout_s=180"]
+    cmd = actor_command("ppo", run_dir, *TWO_STEPS, f"critic.address=127.0.0.1:{critic_port}",
+                        f"reward.address=127.0.0.1:{reward_port}", "critic.connect_timeout_s=180",
+                        "reward.connect_timeout_s=180")
     actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(2)
@@ -176,3 +172,4 @@ def test_an_actor_started_before_its_servers_waits_for_them(embedded_cache, log_
             actor.kill()
     assert actor.returncode == 0, out
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (run_dir / "reward_curve.png").exists()  # logger.reward_curve_enabled=false (actor_command)

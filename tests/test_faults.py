@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.service_procs import ROOT, ServiceProcess, free_port
+from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 
 RUN = ["ppo.num_prompts_per_step=8", "ppo.num_generations_per_prompt=4", "policy.generation_batch_size=16",
        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "logger.num_val_samples_to_print=0",
@@ -25,9 +24,8 @@ def reward(embedded_cache, log_dir):
 
 
 def start_actor(run_dir, reward_address: str, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"), "--http-port", "0",
-           f"run_dir={run_dir}", f"reward.address={reward_address}", f"critic.address=127.0.0.1:{free_port()}",
-           *RUN, *overrides]
+    cmd = actor_command("grpo", run_dir, f"reward.address={reward_address}", f"critic.address=127.0.0.1:{free_port()}",
+                        *RUN, *overrides)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -93,11 +91,10 @@ def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on
     args = ("--checkpoint-dir", str(ckpt), "autosave_every=1")
     first = ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
-           f"run_dir={run_dir}", f"reward.address={reward.address}", f"critic.address={first.address}",
-           "ppo.max_num_steps=25", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
-           "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
-           "checkpointing.enabled=false", "logger.num_val_samples_to_print=0"]
+    cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={first.address}",
+                        "ppo.max_num_steps=25", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
+                        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
+                        "checkpointing.enabled=false", "logger.num_val_samples_to_print=0")
     actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(run_dir, 3, actor)
@@ -130,8 +127,8 @@ def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(r
                  "ppo.val_period=0", "logger.num_val_samples_to_print=0", "ppo.kl_controller.type=adaptive"]
 
     def command(run_dir, critic, reward) -> list[str]:
-        return [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port", "0",
-                f"run_dir={run_dir}", f"critic.address={critic.address}", f"reward.address={reward.address}", *overrides]
+        return actor_command("ppo", run_dir, f"critic.address={critic.address}", f"reward.address={reward.address}",
+                             *overrides)
 
     with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-a"), log_dir=log_dir) as critic:
         whole = subprocess.run(command(tmp_path / "a", critic, reward), check=False, cwd=ROOT,
@@ -159,10 +156,10 @@ def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(r
 
 
 def test_checkpoint_must_save_by_checkpoints_and_stops(reward, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"),
-                          "--http-port", "0", f"run_dir={tmp_path / 'run'}", f"reward.address={reward.address}",
-                          f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=50",
-                          "checkpointing.checkpoint_must_save_by=00:00:00:01", "checkpointing.save_period=0"],
+    run = subprocess.run(actor_command("grpo", tmp_path / "run", f"reward.address={reward.address}",
+                                       f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=50",
+                                       "checkpointing.checkpoint_must_save_by=00:00:00:01",
+                                       "checkpointing.save_period=0"),
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     steps = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2, reward_pb2_grpc
 from serving.security import TOKEN_ENV
-from tests.service_procs import ROOT, ServiceProcess, free_port
+from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 
 TOKEN = "s3cret-token-for-tests"
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificates")
@@ -219,14 +219,13 @@ def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache):
 
 def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache, log_dir, pki, tmp_path):
     with ServiceProcess("reward", "--auth-token-file", str(pki / "token"), log_dir=log_dir) as server:
-        base = [sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "grpo.yaml"), "--http-port", "0",
-                f"reward.address={server.address}", f"critic.address=127.0.0.1:{free_port()}", "ppo.max_num_steps=1",
+        base = [f"reward.address={server.address}", f"critic.address=127.0.0.1:{free_port()}", "ppo.max_num_steps=1",
                 "ppo.num_prompts_per_step=4", "policy.train_global_batch_size=16", "checkpointing.enabled=false",
                 "logger.num_val_samples_to_print=0", "ppo.val_period=0"]
-        refused = subprocess.run([*base, f"run_dir={tmp_path / 'a'}"], check=False, cwd=ROOT, capture_output=True,
-                                 text=True, timeout=300)
+        refused = subprocess.run(actor_command("grpo", tmp_path / "a", *base), check=False, cwd=ROOT,
+                                 capture_output=True, text=True, timeout=300)
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr[-2000:]
-        ok = subprocess.run([*base, f"run_dir={tmp_path / 'b'}", "--auth-token-file", str(pki / "token")],
+        ok = subprocess.run([*actor_command("grpo", tmp_path / "b", *base), "--auth-token-file", str(pki / "token")],
                             check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert ok.returncode == 0, ok.stderr[-2000:]
         assert json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
