@@ -19,13 +19,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from actor.demo import free_port
+from actor.demo import NotReady, free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,18 +53,10 @@ class Service:
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                # plain HTTP: verify=False spares loading the CA bundle at every poll
-                if httpx.get(f"http://127.0.0.1:{self.http_port}/ready", timeout=1.0, verify=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} server not ready after {timeout:.0f} s:\n{self.tail()}")
+        try:
+            wait_ready(self.proc, f"http://127.0.0.1:{self.http_port}/ready", timeout)
+        except NotReady as e:
+            raise RuntimeError(f"{self.name} server {e}:\n{self.tail()}") from None
 
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""

@@ -12,11 +12,10 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Self
 
-import httpx
+from actor.demo import NotReady, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,19 +92,12 @@ class ServiceProcess:
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         if not wait:
             return self
-        deadline = time.monotonic() + ready_timeout
-        verify = self.tls_context()
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.http}/ready", timeout=1.0, verify=verify).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"{self.name} not ready after {ready_timeout}s:\n{self.log()}")
+        try:
+            wait_ready(self.proc, f"{self.http}/ready", ready_timeout, self.tls_context())
+        except NotReady as e:
+            self.stop()  # one that timed out is still running
+            raise RuntimeError(f"{self.name} {e}:\n{self.log()}") from None
+        return self
 
     def tls_context(self) -> ssl.SSLContext | bool:
         """What httpx verifies this server's HTTPS with: the CA bundle given as ready_verify, or the default; False
