@@ -116,7 +116,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Generat
 
 
 def compiled_decode_warning(device: torch.device, compile_decode: bool, params: SamplingParams) -> str | None:
-    """What to warn a user of at start who compiles the decode step on a GPU where responses can end early (stop
+    """The start-up warning for a user who compiles the decode step on a GPU where responses can end early (stop
     tokens or strings): on an H100 that step ran at 0.15-0.18x of eager decoding, a slowdown whose cause is still
     open (docs/PERFORMANCE.md, "On a GPU: one H100, bf16"); None where nothing is known against the setting."""
     if not compile_decode or device.type != "cuda" or not (params.stop_token_ids or params.stop_strings):
