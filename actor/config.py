@@ -288,7 +288,7 @@ class DataConfig(StrictModel):
 class LoggerConfig(StrictModel):
     tensorboard_enabled: bool = Field(True, description="Write TensorBoard events under <run_dir>/tensorboard.")
     reward_curve_enabled: bool = Field(
-        True, description="Draw <run_dir>/reward_curve.png when the run ends (importing matplotlib and drawing take most of a second of CPU).")
+        True, description="Draw <run_dir>/reward_curve.png when the run ends, with matplotlib (whose import is most of the cost).")
     num_val_samples_to_print: int = Field(3, ge=0, description="Prompt/response/reward samples printed at the first and last step.")
 
 

@@ -55,8 +55,8 @@ def service_args(name: str, grpc_port: int | None, http_port: int) -> list[str]:
 
 def actor_command(config: str, run_dir, *overrides: str, http_port: int = 0, reward_curve: bool = False) -> list[str]:
     """`python -m actor` on configs/<config>.yaml writing into `run_dir`, with `overrides` after. Unless
-    `reward_curve`, the run skips drawing reward_curve.png at its end (logger.reward_curve_enabled=false): matplotlib
-    costs about 1 s of CPU per run, and the suite runs about 50 actors; test_end_to_end and the demo test check the
+    `reward_curve`, the run skips drawing reward_curve.png at its end (logger.reward_curve_enabled=false): importing
+    matplotlib costs each run most of a second of CPU, and the suite runs about 50 actors; test_end_to_end and the demo test check the
     default, which draws it."""
     return [sys.executable, *service_args("actor", None, http_port), "--config", str(ROOT / "configs" / f"{config}.yaml"),
             f"run_dir={run_dir}", *([] if reward_curve else ["logger.reward_curve_enabled=false"]), *overrides]

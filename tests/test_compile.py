@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from actor.clients import CriticClient
 from actor.config import RemoteConfig
-from tests.service_procs import ROOT, ServiceProcess
+from tests.service_procs import ROOT, ServiceProcess, actor_command
 from tests.test_algorithm_runs import SMALL, metrics, run_actor
 
 # Compiled kernels sum in another order than eager ones: float32 results agree to about 1e-6 relative per pass;
@@ -82,9 +81,7 @@ def test_no_cxx_compiler_is_refused_at_start(embedded_cache, log_dir, tmp_path):
     (policy.generation.compile); policy.compile goes through the same check (serving.modeling.require_compiler)."""
     env = {"CXX": str(tmp_path / "no-such-compiler")}
     run_dir = tmp_path / "run"
-    run = subprocess.run([sys.executable, "-m", "actor", "--config", str(ROOT / "configs" / "ppo.yaml"), "--http-port",
-                          "0", f"run_dir={run_dir}", "policy.generation.compile=true", "policy.device=cpu"],
-                         cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run(actor_command("ppo", run_dir, "policy.generation.compile=true", "policy.device=cpu"), cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 1, run.stderr[-2000:]
     assert "policy.generation.compile=true" in run.stderr and "C++ compiler" in run.stderr, run.stderr[-2000:]
     reward = ServiceProcess("reward", "compile=true", "device=cpu", log_dir=log_dir, env=env)
