@@ -115,18 +115,6 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Generat
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def compiled_decode_warning(device: torch.device, compile_decode: bool, params: SamplingParams) -> str | None:
-    """The start-up warning for a user who compiles the decode step on a GPU where responses can end early (stop
-    tokens or strings): on an H100 that step ran at 0.15-0.18x of eager decoding, a slowdown whose cause is still
-    open (docs/PERFORMANCE.md, "On a GPU: one H100, bf16"); None where nothing is known against the setting."""
-    if not compile_decode or device.type != "cuda" or not (params.stop_token_ids or params.stop_strings):
-        return None
-    return ("policy.generation.compile=true on a GPU with responses that stop early (EOS, stop_token_ids or "
-            "stop_strings): on an H100 the compiled decode step ran at 0.15-0.18x of eager decoding when rows "
-            "stop early, cause still open (docs/PERFORMANCE.md, 'On a GPU: one H100, bf16'); "
-            "policy.generation.compile=false is faster there unless every response runs to max_new_tokens")
-
-
 class PreallocatedLayer(DynamicLayer):
     """One full-attention layer's KV cache in buffers allocated once, [batch, kv_heads, max_cache_len, head_dim].
 

@@ -51,7 +51,7 @@ from .clients import RemoteError
 from .config import ActorConfig
 from .data import PromptFormat, PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .environments import BadEnvironment
-from .generation import SamplingParams, TorchGenerationBackend, compiled_decode_warning, eos_token_ids
+from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
 from .models import load_models, padding_id
 from .multiturn import episode_metrics, multi_turn_collector
 from .rollouts import RolloutBatch, RolloutCollector
@@ -116,8 +116,6 @@ class PPOTrainer:
         self.sampling = SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_k or 0, gen.top_p, stops, strings)
         self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops,
                                            strings)
-        if warning := compiled_decode_warning(self.device, gen.compile, self.sampling):
-            log.warning(warning)
 
         d = cfg.data
         fmt = PromptFormat.from_files(d.prompt_file, d.apply_chat_template, d.system_prompt_file)

@@ -74,12 +74,12 @@ class Service:
 
 def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: int, response_length: int,
              epochs: int, steps: int, stop_eos: bool, threads: tuple[int, ...], generation_batch: int,
-             logprob_batch: int, lr: float = 1e-5, seed: int = 42, compile_: bool = False, device: str = "cpu",
-             precision: str = "float32") -> OursRun:
+             logprob_batch: int, lr: float = 1e-5, seed: int = 42, compile_: bool = False,
+             compile_decode: bool = False, device: str = "cpu", precision: str = "float32") -> OursRun:
     """One run of our actor with its two servers; `threads` = (actor, critic, reward[, actor while the servers
     compute]) torch threads (the last: the actor's num_threads_shared, default its num_threads). `compile_`: every
     model pass and the decode step compiled (policy.compile, policy.generation.compile; the critic and reward
-    servers' compile). `device` and `precision`: every model of the three (cuda: all on cuda:0)."""
+    servers' compile); `compile_decode`: only the decode step (policy.generation.compile). `device` and `precision`: every model of the three (cuda: all on cuda:0)."""
     from bench.trl_models import Assets
 
     assets = Assets(models)
@@ -124,7 +124,8 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
         # TRL takes them from generate's scores); W1/W2 generate every token, EOS or not (TRL's stop_token=None)
         "critic.ppo_epochs": epochs, "policy.generation.reuse_logprobs": "true",
         "policy.generation.ignore_eos": "false" if stop_eos else "true",
-        **({"policy.compile": "true", "policy.generation.compile": "true"} if compile_ else {}),
+        **({"policy.compile": "true"} if compile_ else {}),
+        **({"policy.generation.compile": "true"} if compile_ or compile_decode else {}),
     }
     optional = ("critic.ppo_epochs", "policy.generation.reuse_logprobs", "policy.generation.ignore_eos")
     skipped = [k for k in optional if k not in keys]
@@ -154,5 +155,7 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
         d["response_length"] = float(r.get("train_rollouts/response_lengths", response_length))
         d["critic_train_seconds"] = float(r.get("timers/critic_train", 0.0))
         d["critic_optimizer_steps"] = float(r.get("critic/optimizer_steps", 0.0))
+        d["decode_steps"] = float(r.get("generation/decode_steps", 0.0))
+        d["compiled_decode_steps"] = float(r.get("generation/compiled_steps", 0.0))
         steps_out.append(d)
     return OursRun(steps_out, skipped)

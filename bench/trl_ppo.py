@@ -215,6 +215,15 @@ def flops_per_step(policy_params: int, value_params: int, tokens_per_epoch: floa
     return 6 * tokens_per_epoch * (policy_params * policy_epochs + value_params * value_epochs)
 
 
+def compiled_what(args: argparse.Namespace) -> str:
+    """How our side ran its model passes and its decode step, for the phase line."""
+    if args.compile:
+        return "model passes and the decode step compiled"
+    if args.compile_decode:
+        return "model passes eager, the decode step compiled"
+    return "model passes and the decode step eager"
+
+
 def fmt_phases(phases: dict[str, float]) -> str:
     return " | ".join(f"{k} {v:.2f}" for k, v in phases.items())
 
@@ -254,7 +263,8 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
                                batch=args.batch, micro_batch=args.micro_batch, response_length=length,
                                epochs=w.epochs, steps=args.steps, stop_eos=w.stop_eos, threads=threads,
                                generation_batch=args.generation_batch, logprob_batch=args.logprob_batch,
-                               compile_=args.compile, device=args.device, precision=args.precision)
+                               compile_=args.compile, compile_decode=args.compile_decode, device=args.device,
+                               precision=args.precision)
                 res["ours"], res["ours_skipped_keys"] = run.steps, run.skipped_keys
             res[f"{side}_wall"] = time.monotonic() - started
             others = watch.others_share()
@@ -302,17 +312,19 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
         print("  ours/TRL: n/a (TRL side skipped)")
 
     ours_steps = [s for r in rounds for s in r["ours"][1:]]
-    extra = ("response_length", "critic_train", "critic_train_seconds", "critic_optimizer_steps", "rollout_time",
-             "step_time")
+    extra = ("response_length", "critic_train", "critic_train_seconds", "critic_optimizer_steps", "decode_steps",
+             "compiled_decode_steps", "rollout_time", "step_time")
     keys = [k for k in ours_steps[0] if k not in extra] + ["rollout_time", "step_time"]
     ours_phases = {k: median([s.get(k, 0.0) for s in ours_steps]) for k in keys}
     ours_phases["critic train (server, overlaps train_time)"] = median([s["critic_train_seconds"] for s in ours_steps])
     print(f"  ours, median seconds per step by timer (actor {threads[0]} ({threads[-1]} while a server computes), "
-          f"critic {threads[1]}, reward {threads[2]} threads; model passes and the decode step "
-          f"{'compiled' if args.compile else 'eager'}; rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
+          f"critic {threads[1]}, reward {threads[2]} threads; "
+          f"{compiled_what(args)}; rollout_time holds generate, transfer, the log-prob passes and critic_wait):\n"
           f"    {fmt_phases(ours_phases)}")
-    print(f"  optimizer steps per PPO step: policy {w.epochs} (one per epoch over the batch), critic "
-          f"{median([s['critic_optimizer_steps'] for s in ours_steps]):.0f} (as the critic server reports them)")
+    print(f"  per PPO step: optimizer steps of the policy {w.epochs} (one per epoch over the batch), of the critic "
+          f"{median([s['critic_optimizer_steps'] for s in ours_steps]):.0f} (as the critic server reports them); "
+          f"decode forwards {median([s['decode_steps'] for s in ours_steps]):.0f}, "
+          f"{median([s['compiled_decode_steps'] for s in ours_steps]):.0f} of them compiled")
     if skipped:
         print(f"  NOTE: this checkout's actor lacks {', '.join(skipped)}: left at their defaults")
     if have_trl:
@@ -341,7 +353,7 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
     out = {"disturbed": any(r.get("ours_disturbed") or r.get("trl_disturbed") for r in rounds), "workload": w.name, "response_length": length, "epochs": w.epochs, "rounds": rounds, "peak_flops": peak,
            "peaks": peaks, "median_ratio": med_ratio, "target": w.target, "ours_phases": ours_phases,
            "ours_efficiency": ours_eff, "threads": threads,
-           "compile": args.compile, "device": args.device, "precision": args.precision}
+           "compile": args.compile, "compile_decode": args.compile_decode, "device": args.device, "precision": args.precision}
     if have_trl:
         trl_len = median([r["trl_mean_length"] for r in rounds])
         trl_tokens = args.batch * (PROMPT_TOKENS + length)  # TRL trains on the whole padded width every time
@@ -389,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="ours: torch.compile every model pass and the decode step "
                         "(policy.compile, policy.generation.compile; the critic and reward servers' compile); the first step, which compiles, is "
                         "dropped like every warm-up step. TRL's side runs as it ships (eager)")
+    parser.add_argument("--compile-decode", action="store_true", help="ours: torch.compile the decode step only "
+                        "(policy.generation.compile), every other pass eager; implied by --compile")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: every "
                         "model of both on the one GPU, cuda:0)")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="both sides' compute "

@@ -61,14 +61,19 @@ def test_trl_side_runs_and_ratios_are_printed(tiny_run):
 
 
 def test_the_bf16_path_runs_on_both_sides_in_bf16():
-    """--precision bfloat16, the GPU bench's setting, on the CPU at --tiny size: both sides in bf16 mixed precision
-    (TRL's bf16=True on float32 trained weights) and the peak taken in bf16 (the --device cuda path needs a GPU)."""
+    """--precision bfloat16 with --compile-decode, the GPU bench's settings, on the CPU at --tiny size: both sides in
+    bf16 mixed precision (TRL's bf16=True on float32 trained weights), ours with its decode step compiled, and the
+    peak taken in bf16 (the --device cuda path needs a GPU)."""
     have_trl, _ = trl_available()
-    cmd = [sys.executable, "-m", "bench.trl_ppo", "--tiny", "--workload", "W2", "--precision", "bfloat16"]
+    cmd = [sys.executable, "-m", "bench.trl_ppo", "--tiny", "--workload", "W2", "--precision", "bfloat16",
+           "--compile-decode"]
     cmd += ["--trl-python", str(BENCH_PYTHON)] if have_trl else ["--skip-trl"]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "training efficiency vs the bfloat16 matmul peak" in result.stdout, result.stdout
+    assert "model passes eager, the decode step compiled" in result.stdout, result.stdout
+    forwards = re.search(r"decode forwards (\d+), (\d+) of them compiled", result.stdout)
+    assert forwards and int(forwards[2]) > 0, result.stdout  # the actor ran the compiled step, not only the label
     assert re.search(r"ours: \d+ GFLOP/step .* of peak", result.stdout), result.stdout
     if have_trl:
         assert "weights float32 on cpu, bf16 mixed precision" in result.stdout, result.stdout

@@ -240,21 +240,6 @@ def test_a_compiled_decode_step_without_a_cxx_compiler_is_refused_naming_its_key
     assert inductor_config.cpp.cxx != missing
 
 
-def test_compiling_the_decode_step_on_a_gpu_with_stops_warns_naming_the_key():
-    """The start-up warning against the compiled decode step's measured slowdown on a GPU when rows stop early; the
-    actor logs it (a device object needs no GPU, so the rule is checked here on every machine)."""
-    from actor.generation import compiled_decode_warning
-
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    eos, strings, to_the_end = SamplingParams(8, stop_token_ids=(2,)), SamplingParams(8, stop_strings=("\n",)), SamplingParams(8)
-    for params in (eos, strings):
-        warning = compiled_decode_warning(cuda, True, params)
-        assert warning is not None and "policy.generation.compile=true" in warning and "0.15-0.18x" in warning
-    assert compiled_decode_warning(cuda, True, to_the_end) is None  # every response runs to max_new_tokens
-    assert compiled_decode_warning(cuda, False, eos) is None
-    assert compiled_decode_warning(cpu, True, eos) is None  # 2.79x generate() on the CPU
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where Triton cannot run on a GPU")
 def test_a_compiled_pass_on_cuda_without_triton_is_refused_naming_its_key():
     """Asked for on a CUDA device where Triton cannot build kernels (here: no GPU at all), compile is refused at
