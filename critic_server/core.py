@@ -184,13 +184,13 @@ class CriticCore:
     @torch.inference_mode()
     def infer_batch(self, requests: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Values [B_i, S_i] (and rewards [B_i] in combined mode) for each (tokens, lengths) request, computed
-        in forward passes of at most max_batch_size rows of similar length, each trimmed to its longest row
-        (padding positions are 0 either way)."""
+        in forward passes of at most max_batch_size rows and max_tokens_per_pass padded tokens, of similar length,
+        each trimmed to its longest row (padding positions are 0 either way)."""
         tokens = pad_and_stack([t for t, _ in requests])
         lengths = torch.cat([n for _, n in requests])
         all_values = torch.zeros(tokens.shape, dtype=torch.float32)
         all_rewards = torch.zeros(tokens.shape[0]) if self.reward_model is not None else None
-        for idx in length_buckets(lengths, self.cfg.batching.max_batch_size):
+        for idx in length_buckets(lengths, self.cfg.batching.max_batch_size, self.cfg.batching.max_tokens_per_pass):
             w = int(lengths[idx].max())
             tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
             all_values[idx, :w] = self.values(tok, n).cpu()

@@ -291,8 +291,8 @@ class RewardCore:
     # --- scoring --------------------------------------------------------------------------------
     def score_batch(self, requests: list[ScoreInput]) -> list[ScoreOutput]:
         """Rewards float32 [B_i] and components for each request. The learned model runs on all requests'
-        rows together, in forward passes of at most max_batch_size rows of similar length, each trimmed to its
-        longest row."""
+        rows together, in forward passes of at most max_batch_size rows and max_tokens_per_pass padded tokens, of
+        similar length, each trimmed to its longest row."""
         model_rewards = self._model_rewards(requests) if self.model is not None else None
         out = []
         for i, req in enumerate(requests):
@@ -313,7 +313,7 @@ class RewardCore:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
         rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
-                            self.cfg.batching.max_batch_size, self.device)
+                            self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass)
         rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))
 

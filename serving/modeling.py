@@ -267,21 +267,33 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def length_buckets(lengths: torch.Tensor, size: int) -> list[torch.Tensor]:
+def length_buckets(lengths: torch.Tensor, size: int, max_tokens: int = 0) -> list[torch.Tensor]:
     """Row indices in chunks of at most `size` rows, longest rows first. A chunk trimmed to its own longest row
     carries little padding, so passes over the chunks cost in proportion to the valid tokens, not the padded
-    batch; for right-padded causal models the outputs at valid positions are the same either way."""
+    batch; for right-padded causal models the outputs at valid positions are the same either way. With
+    `max_tokens` > 0 a chunk also holds at most that many tokens counted padded (its rows x its longest row; a
+    longer row alone makes its own chunk), so long rows go in few to a pass and short ones in many."""
     order = torch.argsort(lengths.cpu(), descending=True, stable=True)
-    return list(order.split(max(1, size)))
+    size = max(1, size)
+    if max_tokens <= 0:
+        return list(order.split(size))
+    sorted_lengths = lengths.cpu()[order].tolist()
+    sizes, start = [], 0
+    while start < len(order):
+        rows = min(size, len(order) - start, max(1, max_tokens // max(1, sorted_lengths[start])))
+        sizes.append(rows)
+        start += rows
+    return list(order.split(sizes))
 
 
 def by_length(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor,
-              size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Apply `fn(tokens [b, w], lengths [b])` to length buckets of at most `size` rows, each trimmed to its
-    longest row w, and gather the outputs back in row order on the CPU. `fn` returns [b] per row or
-    [b, w - k] per position; positions past a bucket's width are 0 in the result ([B] or [B, S - k])."""
+              size: int, device: torch.device | str = "cpu", max_tokens: int = 0) -> torch.Tensor:
+    """Apply `fn(tokens [b, w], lengths [b])` to length buckets of at most `size` rows (and `max_tokens` padded
+    tokens, when > 0), each trimmed to its longest row w, and gather the outputs back in row order on the CPU.
+    `fn` returns [b] per row or [b, w - k] per position; positions past a bucket's width are 0 in the result
+    ([B] or [B, S - k])."""
     out = None
-    for idx in length_buckets(lengths, size):
+    for idx in length_buckets(lengths, size, max_tokens):
         w = int(lengths[idx].max())
         y = fn(tokens[idx, :w].to(device), lengths[idx].to(device)).cpu()
         if out is None:

@@ -12,7 +12,14 @@ from .security import SecurityConfig
 class BatchingConfig(StrictModel):
     """Dynamic batching of concurrent inference requests."""
 
-    max_batch_size: int = Field(64, ge=1, description="Most rows merged into one forward pass.")
+    max_batch_size: int = Field(64, ge=1, description="Most rows merged from concurrent requests into one batch, "
+                                "and into one forward pass.")
+    max_tokens_per_pass: int = Field(
+        2048, ge=0, description="Most tokens in one forward pass, counted padded (its rows x its longest row): a batch's "
+        "rows are sorted by length and cut into passes of at most max_batch_size rows and this many tokens, so long "
+        "rows go few to a pass and short ones many (a row longer than this gets a pass of its own); on a CPU such "
+        "passes ran faster than one pass of the whole batch (docs/PERFORMANCE.md). On a GPU, where small models' "
+        "passes are bound by launching kernels, fewer and larger passes may pay (not measured). 0: rows only.")
     max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a partial batch waits for more rows.")
     max_queue_size: int = Field(1024, ge=1, description="Queued requests beyond which new ones get RESOURCE_EXHAUSTED.")
 

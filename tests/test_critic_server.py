@@ -96,6 +96,17 @@ def test_infer_matches_the_same_weights_in_process(stub, embedded_assets):
     assert (remote[1, lengths[1]:] == 0).all()  # padding positions are zero
 
 
+def test_a_batch_cut_into_passes_by_the_token_budget_matches_the_same_weights_in_process(stub, embedded_assets):
+    """64 rows of up to 64 tokens: more than the default batching.max_tokens_per_pass (2048) holds, so the server
+    runs them as several passes of similar length; each row's values are those of the whole padded batch."""
+    tokens, lengths = batch(7, b=64, s=64, vocab=20)
+    remote = infer(stub, tokens, lengths)
+    model = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
+    with torch.no_grad():
+        local = per_token_scores(model, tokens, lengths)
+    torch.testing.assert_close(remote, local, atol=1e-5, rtol=1e-5)
+
+
 def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
     requests = [batch(100 + i, b=2, s=6 + i) for i in range(8)]
     expected = [infer(stub, t, n) for t, n in requests]

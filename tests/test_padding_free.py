@@ -55,6 +55,17 @@ def test_length_buckets_cover_every_row_once_longest_first():
     assert [sorted(lengths[b].tolist()) for b in buckets] == [[7, 9, 9], [2, 3, 4], [1]]
 
 
+def test_a_token_budget_cuts_long_rows_few_to_a_pass_and_short_ones_many():
+    lengths = torch.tensor([3, 9, 1, 9, 4, 7, 2, 30])
+    buckets = length_buckets(lengths, 8, max_tokens=20)
+    assert [sorted(lengths[b].tolist()) for b in buckets] == [[30], [9, 9], [4, 7], [1, 2, 3]]
+    assert sorted(torch.cat(buckets).tolist()) == list(range(8))
+    for b in buckets:  # rows x the longest row within the budget, unless one row alone is longer
+        assert len(b) == 1 or len(b) * int(lengths[b].max()) <= 20
+    assert [len(b) for b in length_buckets(lengths, 2, max_tokens=1000)] == [2, 2, 2, 2]  # the row cap still holds
+    assert [len(b) for b in length_buckets(lengths, 8, max_tokens=0)] == [8]  # 0: rows only
+
+
 def test_bucketed_log_probs_equal_the_padded_ones(policy):
     model, tok = policy
     tokens, lengths = ragged_batch(len(tok))
