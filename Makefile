@@ -25,6 +25,13 @@ TRL_PINS := trl==1.12.0 accelerate==1.15.0 datasets==5.2.0
 PYTEST_WORKERS ?= 2
 PYTEST_FLAGS ?= -q -ra --durations=15 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
+# pip compiles every installed module to bytecode one file at a time, about half of the install's CPU time; the
+# installs skip that and compileall then does it on every core. torch's tests' helpers are left out: one of them is
+# written for a newer Python than some users run, and nothing here imports them.
+PIP_INSTALL_FLAGS ?= --no-compile
+COMPILE_BYTECODE = $(1) -m compileall -q -j 0 -x '/torch/testing/_internal/' \
+	"$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+
 .PHONY: install demo test protos lint clean clean-all bench-env bench
 
 # INSTALL_TORCH(python): torch goes first so that pip never resolves the pinned torch to a CUDA build on a CPU-only machine:
@@ -34,14 +41,14 @@ define INSTALL_TORCH
 	@if $(1) -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
 		echo "torch $(TORCH_VERSION) already installed"; \
 	elif [ -n "$(TORCH_INDEX)" ]; then \
-		set -x; $(1) -m pip install --index-url "$(TORCH_INDEX)" torch==$(TORCH_VERSION); \
+		set -x; $(1) -m pip install $(PIP_INSTALL_FLAGS) --index-url "$(TORCH_INDEX)" torch==$(TORCH_VERSION); \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		set -x; $(1) -m pip install torch==$(TORCH_VERSION); \
+		set -x; $(1) -m pip install $(PIP_INSTALL_FLAGS) torch==$(TORCH_VERSION); \
 	elif $(1) -m pip install --dry-run --quiet --report - torch==$(TORCH_VERSION) 2>/dev/null | $(1) -c \
 		'import json, sys; sys.exit(any(p["metadata"]["name"].startswith("nvidia-") for p in json.load(sys.stdin)["install"]))'; then \
-		set -x; $(1) -m pip install torch==$(TORCH_VERSION); \
+		set -x; $(1) -m pip install $(PIP_INSTALL_FLAGS) torch==$(TORCH_VERSION); \
 	else \
-		set -x; $(1) -m pip install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+		set -x; $(1) -m pip install $(PIP_INSTALL_FLAGS) --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
 	fi
 endef
 
@@ -53,7 +60,8 @@ $(VENV_PY):
 
 $(STAMP): pyproject.toml | $(VENV_PY)
 	$(call INSTALL_TORCH,$(VENV_PY))
-	$(VENV_PIP) install -e '.[dev]'
+	$(VENV_PIP) install $(PIP_INSTALL_FLAGS) -e '.[dev]'
+	$(call COMPILE_BYTECODE,$(VENV_PY))
 	@touch $@
 
 # End-to-end demo: starts critic and reward servers on loopback, trains the actor, stops the servers.

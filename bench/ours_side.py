@@ -79,7 +79,8 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
     """One run of our actor with its two servers; `threads` = (actor, critic, reward[, actor while the servers
     compute]) torch threads (the last: the actor's num_threads_shared, default its num_threads). `compile_`: every
     model pass and the decode step compiled (policy.compile, policy.generation.compile; the critic and reward
-    servers' compile); `compile_decode`: only the decode step (policy.generation.compile). `device` and `precision`: every model of the three (cuda: all on cuda:0)."""
+    servers' compile); `compile_decode`: only the decode step (policy.generation.compile). `device` and
+    `precision`: every model of the three (cuda: all on cuda:0)."""
     from bench.trl_models import Assets
 
     assets = Assets(models)
