@@ -27,10 +27,12 @@ PYTEST_FLAGS ?= -q -ra --durations=15 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(P
 
 # pip compiles every installed module to bytecode one file at a time, about half of the install's CPU time; the
 # installs skip that and compileall then does it on every core. torch's tests' helpers are left out: one of them is
-# written for a newer Python than some users run, and nothing here imports them.
+# written for a newer Python than some users run, and nothing here imports them. A file that does not compile only
+# loses its cached bytecode (Python compiles it at import), so that is reported, not fatal.
 PIP_INSTALL_FLAGS ?= --no-compile
 COMPILE_BYTECODE = $(1) -m compileall -q -j 0 -x '/torch/testing/_internal/' \
-	"$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	"$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	|| echo "compileall: the files above stay without cached bytecode; Python compiles them when imported"
 
 .PHONY: install demo test protos lint clean clean-all bench-env bench
 

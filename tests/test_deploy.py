@@ -330,9 +330,12 @@ def torch_pin() -> str:
 def test_makefile_installs_torch_before_the_package():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^TORCH_VERSION\s*:?=\s*(\S+)", makefile, re.MULTILINE).group(1) == torch_pin()
-    torch_install = makefile.index("install --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)")
-    package_install = makefile.index("install -e '.[dev]'")
-    assert torch_install < package_install
+    torch_install = re.search(r"pip install (\$\(PIP_INSTALL_FLAGS\) )?--index-url \$\(TORCH_CPU_INDEX\) "
+                              r"torch==\$\(TORCH_VERSION\)", makefile)
+    package_install = re.search(r"install (\$\(PIP_INSTALL_FLAGS\) )?-e '\.\[dev\]'", makefile)
+    assert torch_install and package_install and torch_install.start() < package_install.start()
+    # bytecode compiled after everything is installed (the installs skip it)
+    assert makefile.index("$(call COMPILE_BYTECODE,$(VENV_PY))") > package_install.start()
     assert re.search(r"^test: install$", makefile, re.MULTILINE)
 
 
