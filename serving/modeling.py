@@ -273,11 +273,12 @@ def length_buckets(lengths: torch.Tensor, size: int, max_tokens: int = 0) -> lis
     batch; for right-padded causal models the outputs at valid positions are the same either way. With
     `max_tokens` > 0 a chunk also holds at most that many tokens counted padded (its rows x its longest row; a
     longer row alone makes its own chunk), so long rows go in few to a pass and short ones in many."""
-    order = torch.argsort(lengths.cpu(), descending=True, stable=True)
+    lengths = lengths.cpu()
+    order = torch.argsort(lengths, descending=True, stable=True)
     size = max(1, size)
     if max_tokens <= 0:
         return list(order.split(size))
-    sorted_lengths = lengths.cpu()[order].tolist()
+    sorted_lengths = lengths[order].tolist()
     sizes, start = [], 0
     while start < len(order):
         rows = min(size, len(order) - start, max(1, max_tokens // max(1, sorted_lengths[start])))
