@@ -125,7 +125,7 @@ class PolicyConfig(StrictModel):
     max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
     num_layers_unfrozen: int = Field(-1, ge=-1, description="Train only the top N transformer blocks, the final norm and the LM head (trlx's key); the embeddings and the lower blocks are frozen. -1 trains every layer. A head tied to the input embeddings is frozen with them when N >= 0.")
-    compile: bool = Field(False, description="torch.compile every pass over whole sequences: the policy's training forward and backward and the policy's and reference's log-prob passes, into fused kernels with dynamic shapes, so one graph per model serves every micro-batch width. The first pass of each kind compiles (tens of seconds on a CPU); on the CPU it needs a C++ compiler (g++ or clang++), checked at start. Losses and gradients equal eager ones up to float reduction order. Generation's decode step has its own key, policy.generation.compile.")
+    compile: bool = Field(False, description="torch.compile every pass over whole sequences: the policy's training forward and backward and the policy's and reference's log-prob passes, into fused kernels with dynamic shapes, so one graph per model serves every micro-batch width. They compile at start, on dummy batches, before the actor waits for the servers (tens of seconds on a CPU, overlapping the servers' start-up; the log says how long), so the first step runs at full speed; on the CPU it needs a C++ compiler (g++ or clang++), checked at start. Losses and gradients equal eager ones up to float reduction order. Generation's decode step has its own key, policy.generation.compile.")
     reference_offload: bool = Field(False, description="Keep the reference policy on the CPU and move it to the policy's device only for its log-prob passes (saves its device memory; costs two transfers per generation batch).")
     lora: LoraConfig | None = Field(None, description="LoRA adapters (peft) on the policy; null trains the policy's own weights. The reference is then the same model with its adapters disabled (no second copy) unless reference_model_name names another model.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -474,3 +474,8 @@ class ActorConfig(StrictModel):
     def needs_critic(self) -> bool:
         """Only GAE bootstraps from critic values (and a combined server may be the reward source)."""
         return self.ppo.adv_estimator.name == "gae" or self.reward.source == "critic"
+
+    @property
+    def trains_critic(self) -> bool:
+        """GAE's returns train the critic, while the policy updates."""
+        return self.ppo.adv_estimator.name == "gae"

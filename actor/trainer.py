@@ -12,6 +12,7 @@ import random
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from serving.modeling import (
     mixed_precision,
     resolve_device,
     torch_threads,
+    warm_up,
 )
 from serving.rest import add_ops_routes, start_ops_thread
 
@@ -106,6 +108,8 @@ class PPOTrainer:
                                          compile_decode=gen.compile, compute_dtype=dtype)
         if not p.async_grpo.enabled:  # compiled now, while the servers may still be starting (the async worker's
             backend.warm_up()         # own backend compiles on its first rollout, in its thread)
+        if pol.compile:  # likewise the training and log-prob passes, so the first step runs at full speed
+            log.info("policy.compile=true: training and log-prob passes compiled in %.1f s", self.warm_up_passes())
         self.optimizer = torch.optim.AdamW(self.models.trainable, **pol.optimizer.kwargs.model_dump())
         eos = eos_token_ids(self.tokenizer, getattr(self.policy, "generation_config", None))
         if not eos and not gen.ignore_eos:
@@ -151,6 +155,26 @@ class PPOTrainer:
         self.start_step = self.restore(self.resume_from) if self.resume_from else 0
         self.tracker = MetricsTracker(self.run_dir, p.max_num_steps, self.registry, cfg.logger.tensorboard_enabled,
                                       resume_step=self.start_step if self.resume_from else None)
+
+    def warm_up_passes(self) -> float:
+        """Compile `self.logits` now, on dummy batches, for each way a step calls it, at the thread count it runs
+        with there (a compiled CPU kernel is built for one; another count compiles again): without gradients on the
+        reference and, when its log-probs are not generation's, the policy (the rollout's log-prob passes, at
+        num_threads_shared), and forward and backward on the policy in its training state (the update, at
+        num_threads_shared while the critic trains beside it). Weights, gradients, optimizer state and the random
+        streams (LoRA dropout draws from them) are left as they were; returns the seconds it took."""
+        cfg = self.cfg
+        no_grad = [] if cfg.policy.generation.reuse_logprobs else [self.policy]
+        seconds = 0.0
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with torch_threads(cfg.num_threads_shared), \
+                    self.reference.resident() if self.reference is not None else nullcontext() as reference:
+                models = [*no_grad, *([reference] if reference is not None else [])]
+                if models:
+                    seconds += warm_up(self.logits, models, self.device, grad_free=torch.no_grad)
+            with torch_threads(cfg.num_threads_shared if cfg.trains_critic else 0), self.models.training():
+                seconds += warm_up(self.logits, [], self.device, train=self.policy)
+        return seconds
 
     # --- the policy update ----------------------------------------------------------------------
     def _group_order(self, group_ids: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from actor.clients import CriticClient
 from actor.config import RemoteConfig
 from tests.service_procs import ROOT, ServiceProcess, actor_command
-from tests.test_algorithm_runs import SMALL, metrics, run_actor
+from tests.test_algorithm_runs import SMALL, metrics
 
 # Compiled kernels sum in another order than eager ones: float32 results agree to about 1e-6 relative per pass;
 # over two PPO steps (two optimizer updates of policy and critic) the metrics stay within this.
@@ -38,12 +38,23 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
     try:
         critic, reward = (s.start(wait=False) for s in servers)
         # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
-        run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2",
-                        "policy.generation.reuse_logprobs=true", f"policy.generation.compile={str(compile_).lower()}",
-                        f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
-                        f"reward.address={reward.address}", timeout=600)
+        run = subprocess.run(
+            # generation on 2 threads, the passes beside the servers' on 1: compiled kernels are built for a thread
+            # count, so the actor's start-up compile must use each pass's own
+            actor_command("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2", "num_threads=2",
+                          "num_threads_shared=1",
+                          "policy.generation.reuse_logprobs=true", f"policy.generation.compile={str(compile_).lower()}",
+                          f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
+                          f"reward.address={reward.address}"),
+            cwd=ROOT, env={**os.environ, "TORCH_LOGS": "recompiles"}, capture_output=True, text=True, timeout=600,
+            check=False)
         assert run.returncode == 0, run.stderr[-3000:]
         assert ("decode step compiled in" in run.stderr) == compile_, run.stderr[-3000:]
+        # the actor compiles its training and log-prob passes at start, too: its steps compile nothing more
+        assert ("training and log-prob passes compiled in" in run.stderr) == compile_, run.stderr[-3000:]
+        if compile_:
+            started = run.stderr.index("training and log-prob passes compiled in")
+            assert "Recompiling" not in run.stderr[started:], run.stderr[started:][-3000:]
         for row in metrics(tmp_path / name):  # every decode step of 2 rows or more ran compiled
             assert (row["generation/compiled_steps"] > 0) == compile_, row
         if compile_:  # a lone row and a one-token row, which dynamo would compile apart, run on the same graph
