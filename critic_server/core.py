@@ -21,6 +21,7 @@ import torch
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import resolve_model
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
+from serving.metrics import PassObserver, no_observer
 from serving.modeling import (
     TORCH_DTYPES,
     RewardNormalization,
@@ -71,8 +72,9 @@ class TrainInput:
 
 
 class CriticCore:
-    def __init__(self, cfg: CriticConfig):
+    def __init__(self, cfg: CriticConfig, observe_pass: PassObserver = no_observer):
         self.cfg = cfg
+        self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
         self.device = resolve_device(cfg.device)
         self.train_step = 0
         self.instance_id = uuid.uuid4().hex  # tells clients this process apart from the one before a restart
@@ -192,6 +194,7 @@ class CriticCore:
         all_rewards = torch.zeros(tokens.shape[0]) if self.reward_model is not None else None
         for idx in length_buckets(lengths, self.cfg.batching.max_batch_size, self.cfg.batching.max_tokens_per_pass):
             w = int(lengths[idx].max())
+            self.observe_pass("Infer", len(idx) * w)
             tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
             all_values[idx, :w] = self.values(tok, n).cpu()
             if all_rewards is not None:
@@ -304,6 +307,7 @@ class CriticCore:
                     for bucket in length_buckets(lengths[group], tc.micro_batch_size):
                         ms = group[bucket]
                         w = int(lengths[ms].max())
+                        self.observe_pass("Train", len(ms) * w)
                         tok, n = tokens[ms, :w].to(self.device), lengths[ms].to(self.device)
                         values = self.values(tok, n)[:, :-1]
 

@@ -121,7 +121,7 @@ class CriticService(Service):
 
     def __init__(self, cfg: CriticConfig):
         super().__init__(cfg)
-        self.core = CriticCore(cfg)
+        self.core = CriticCore(cfg, self.metrics.observe_pass)
         p = self.metrics.prefix
         self.metrics_train_steps = Gauge(f"{p}_train_steps", "Critic optimizer steps taken", registry=self.metrics.registry)
         self.metrics_last_loss = Gauge(f"{p}_last_loss", "Value loss of the last Train call", registry=self.metrics.registry)

@@ -14,6 +14,7 @@ import torch
 
 from embedded import resolve_model
 from serving.errors import InvalidArgument
+from serving.metrics import PassObserver, no_observer
 from serving.modeling import (
     NO_LENGTH_LIMIT,
     TORCH_DTYPES,
@@ -66,8 +67,9 @@ ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class RewardCore:
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, observe_pass: PassObserver = no_observer):
         self.cfg = cfg
+        self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
         self.device = resolve_device(cfg.device)
         self.model = None
         self.encoder = False  # an encoder scoring (prompt, response) pairs with its own head, not a decoder's last token
@@ -312,8 +314,12 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
-                            self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass)
+        def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            self.observe_pass("Score", tok.numel())
+            return self.scores(self.model, tok, n)
+
+        rewards = by_length(pass_, tokens, lengths, self.cfg.batching.max_batch_size, self.device,
+                            self.cfg.batching.max_tokens_per_pass)
         rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))
 

@@ -53,7 +53,7 @@ class RewardService(Service):
 
     def __init__(self, cfg: RewardConfig):
         super().__init__(cfg)
-        self.core = RewardCore(cfg)
+        self.core = RewardCore(cfg, self.metrics.observe_pass)
         add_reward_routes(self)
 
     def load(self) -> None:

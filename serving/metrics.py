@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# (method, padded tokens) of each forward pass a server's model runs: ServiceMetrics.observe_pass
+PassObserver = Callable[[str, int], None]
+
+
+def no_observer(method: str, tokens: int) -> None:
+    """A PassObserver that records nothing (a core used without a server)."""
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 
 
 class ServiceMetrics:
-    """Request counts by method and status, latency, queue time, batch size, queue depth.
+    """Request counts by method and status, latency, queue time, batch size, padded tokens per forward pass, queue
+    depth.
 
     Names are prefixed `ppo_<service>_`, e.g. `ppo_critic_requests_total{method="Infer",code="OK"}`.
     """
@@ -28,6 +39,10 @@ class ServiceMetrics:
                                       ["method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.batch_size = Histogram(f"{p}_batch_size", "Rows per executed batch", ["method"],
                                     buckets=_BATCH_BUCKETS, registry=self.registry)
+        self.pass_tokens = Histogram(f"{p}_pass_tokens", "Padded tokens (rows x width) of each model forward pass a "
+                                     "batch is cut into (by length, batching.max_tokens_per_pass, "
+                                     "train.micro_batch_size)", ["method"], buckets=_TOKEN_BUCKETS,
+                                     registry=self.registry)
         self.queue_depth = Gauge(f"{p}_queue_size", "Requests waiting for the model worker", registry=self.registry)
         self.ready = Gauge(f"{p}_ready", "1 when the model is loaded and the server accepts work",
                            registry=self.registry)
@@ -37,3 +52,7 @@ class ServiceMetrics:
         self.requests.labels(method, code).inc()
         if seconds is not None:
             self.latency.labels(method).observe(seconds)
+
+    def observe_pass(self, method: str, tokens: int) -> None:
+        """One forward pass of `method` over `tokens` padded tokens (rows x width)."""
+        self.pass_tokens.labels(method).observe(tokens)

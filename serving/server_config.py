@@ -19,7 +19,8 @@ class BatchingConfig(StrictModel):
         "rows are sorted by length and cut into passes of at most max_batch_size rows and this many tokens, so long "
         "rows go few to a pass and short ones many (a row longer than this gets a pass of its own); on a CPU such "
         "passes ran faster than one pass of the whole batch (docs/PERFORMANCE.md). On a GPU, where small models' "
-        "passes are bound by launching kernels, fewer and larger passes may pay (not measured). 0: rows only.")
+        "passes are bound by launching kernels, fewer and larger passes may pay (not measured). 0: rows only. "
+        "Each pass's padded tokens are on /metrics (ppo_<service>_pass_tokens, by method).")
     max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a partial batch waits for more rows.")
     max_queue_size: int = Field(1024, ge=1, description="Queued requests beyond which new ones get RESOURCE_EXHAUSTED.")
 

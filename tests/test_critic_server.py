@@ -36,11 +36,15 @@ from tests.service_procs import ROOT, ServiceProcess
 SERVICE = "/ppo_services.v1.CriticService/"
 
 
+TOKENS_PER_PASS = 512  # not the default (2048): the module's critic cuts its batches by this budget
+
+
 @pytest.fixture(scope="module")
 def critic(embedded_cache, log_dir, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("critic-ckpt")
     with ServiceProcess("critic", "--checkpoint-dir", str(ckpt), "batching.max_queue_delay_ms=200",
-                        "batching.max_batch_size=64", log_dir=log_dir) as proc:
+                        "batching.max_batch_size=64", f"batching.max_tokens_per_pass={TOKENS_PER_PASS}",
+                        log_dir=log_dir) as proc:
         proc.ckpt = ckpt
         yield proc
 
@@ -97,14 +101,36 @@ def test_infer_matches_the_same_weights_in_process(stub, embedded_assets):
 
 
 def test_a_batch_cut_into_passes_by_the_token_budget_matches_the_same_weights_in_process(stub, embedded_assets):
-    """64 rows of up to 64 tokens: more than the default batching.max_tokens_per_pass (2048) holds, so the server
-    runs them as several passes of similar length; each row's values are those of the whole padded batch."""
+    """64 rows of up to 64 tokens: more than the server's batching.max_tokens_per_pass holds, so it runs them as
+    several passes of similar length; each row's values are those of the whole padded batch."""
     tokens, lengths = batch(7, b=64, s=64, vocab=20)
     remote = infer(stub, tokens, lengths)
     model = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
     with torch.no_grad():
         local = per_token_scores(model, tokens, lengths)
     torch.testing.assert_close(remote, local, atol=1e-5, rtol=1e-5)
+
+
+def test_each_forward_pass_holds_at_most_the_token_budget_as_metrics_show(critic, stub):
+    """16 full rows of 64 tokens under a budget of 512: two passes of 8 rows, 512 padded tokens each, on /metrics;
+    a Train of them cuts its micro-batches by train.micro_batch_size instead, one pass per micro-batch."""
+    tokens = batch(8, b=16, s=64)[0]
+    lengths = torch.full((16,), 64)
+    before = pass_stats(critic, "Infer")
+    infer(stub, tokens, lengths)
+    passes, total = (a - b for a, b in zip(pass_stats(critic, "Infer"), before, strict=True))
+    assert (passes, total) == (2, 2 * 8 * 64)
+    assert 64 * 16 > TOKENS_PER_PASS  # one pass would have exceeded the budget
+    before = pass_stats(critic, "Train")
+    stub.Train(train_request(tokens[:4], 0.0), timeout=60)
+    passes, total = (a - b for a, b in zip(pass_stats(critic, "Train"), before, strict=True))
+    assert passes >= 1 and total == 4 * 64
+
+
+def pass_stats(proc: ServiceProcess, method: str) -> tuple[float, float]:
+    """(forward passes, padded tokens in them) of `method` from the pass-token histogram on /metrics."""
+    labels = r'\{method="' + method + r'"\}'
+    return _metric(proc, "ppo_critic_pass_tokens_count" + labels), _metric(proc, "ppo_critic_pass_tokens_sum" + labels)
 
 
 def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
@@ -330,7 +356,7 @@ def test_health_reflection_and_rest_endpoints(critic):
     assert httpx.get(f"{critic.http}/ready").status_code == 200
     text = httpx.get(f"{critic.http}/metrics").text
     for name in ("ppo_critic_requests_total", "ppo_critic_request_duration_seconds_bucket",
-                 "ppo_critic_queue_duration_seconds_bucket", "ppo_critic_batch_size_bucket",
+                 "ppo_critic_queue_duration_seconds_bucket", "ppo_critic_batch_size_bucket", "ppo_critic_pass_tokens_bucket",
                  "ppo_critic_train_steps", "ppo_critic_last_loss"):
         assert name in text, name
     assert re.search(r'ppo_critic_requests_total\{code="INVALID_ARGUMENT",method="Infer"\} [1-9]', text) or \
