@@ -471,11 +471,11 @@ class ActorConfig(StrictModel):
                              "steps of groups ahead): turn one of them off")
 
     @property
-    def needs_critic(self) -> bool:
-        """Only GAE bootstraps from critic values (and a combined server may be the reward source)."""
-        return self.ppo.adv_estimator.name == "gae" or self.reward.source == "critic"
+    def trains_critic(self) -> bool:
+        """Only GAE bootstraps from critic values, and its returns train the critic while the policy updates."""
+        return self.ppo.adv_estimator.name == "gae"
 
     @property
-    def trains_critic(self) -> bool:
-        """GAE's returns train the critic, while the policy updates."""
-        return self.ppo.adv_estimator.name == "gae"
+    def needs_critic(self) -> bool:
+        """A critic for GAE's values, or a combined server as the reward source."""
+        return self.trains_critic or self.reward.source == "critic"

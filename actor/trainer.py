@@ -172,9 +172,14 @@ class PPOTrainer:
                 models = [*no_grad, *([reference] if reference is not None else [])]
                 if models:
                     seconds += warm_up(self.logits, models, self.device, grad_free=torch.no_grad)
-            with torch_threads(cfg.num_threads_shared if cfg.trains_critic else 0), self.models.training():
+            with torch_threads(self.update_threads()), self.models.training():
                 seconds += warm_up(self.logits, [], self.device, train=self.policy)
         return seconds
+
+    def update_threads(self) -> int:
+        """torch threads of the policy update: num_threads_shared while the critic trains beside it (GAE), else
+        unchanged (0)."""
+        return self.cfg.num_threads_shared if self.cfg.trains_critic else 0
 
     # --- the policy update ----------------------------------------------------------------------
     def _group_order(self, group_ids: torch.Tensor) -> torch.Tensor:
@@ -287,7 +292,7 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         if step >= p.policy_training_start_step:
             # the critic trains at the same time: on a shared machine the actor keeps to its share of the cores
-            with t("train_time"), torch_threads(cfg.num_threads_shared if critic_train is not None else 0), \
+            with t("train_time"), torch_threads(self.update_threads()), \
                     self.models.training():
                 metrics = self.train_policy(batch, advantages, loss_mask, is_weights)
         self.rollouts.update_weights(self.policy)  # the async generation worker's next batch uses them

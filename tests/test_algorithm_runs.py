@@ -7,6 +7,7 @@ critic anywhere, and each example config raising the embedded task's reward.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -32,8 +33,11 @@ SMALL = ["checkpointing.enabled=false", "ppo.val_period=0", "ppo.num_prompts_per
          "policy.train_micro_batch_size=16", "logger.num_val_samples_to_print=0", "policy.generation.max_new_tokens=8"]
 
 
-def run_actor(config: str, run_dir, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(actor_command(config, run_dir, *overrides), check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run_actor(config: str, run_dir, *overrides: str, timeout: float = 300,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m actor` run to its end; `env`: variables set on top of this process's environment."""
+    return subprocess.run(actor_command(config, run_dir, *overrides), check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def metrics(run_dir) -> list[dict]:

@@ -10,16 +10,13 @@ after.
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 import torch
 
 from actor.clients import CriticClient
 from actor.config import RemoteConfig
-from tests.service_procs import ROOT, ServiceProcess, actor_command
-from tests.test_algorithm_runs import SMALL, metrics
+from tests.service_procs import ServiceProcess
+from tests.test_algorithm_runs import SMALL, metrics, run_actor
 
 # Compiled kernels sum in another order than eager ones: float32 results agree to about 1e-6 relative per pass;
 # over two PPO steps (two optimizer updates of policy and critic) the metrics stay within this.
@@ -38,16 +35,13 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
     try:
         critic, reward = (s.start(wait=False) for s in servers)
         # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
-        run = subprocess.run(
-            # generation on 2 threads, the passes beside the servers' on 1: compiled kernels are built for a thread
-            # count, so the actor's start-up compile must use each pass's own
-            actor_command("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2", "num_threads=2",
-                          "num_threads_shared=1",
-                          "policy.generation.reuse_logprobs=true", f"policy.generation.compile={str(compile_).lower()}",
-                          f"policy.compile={str(compile_).lower()}", f"critic.address={critic.address}",
-                          f"reward.address={reward.address}"),
-            cwd=ROOT, env={**os.environ, "TORCH_LOGS": "recompiles"}, capture_output=True, text=True, timeout=600,
-            check=False)
+        # generation on 2 threads, the passes beside the servers' on 1: compiled kernels are built for a thread count,
+        # so the actor's start-up compile must use each pass's own
+        run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2", "num_threads=2",
+                        "num_threads_shared=1", "policy.generation.reuse_logprobs=true",
+                        f"policy.generation.compile={str(compile_).lower()}", f"policy.compile={str(compile_).lower()}",
+                        f"critic.address={critic.address}", f"reward.address={reward.address}", timeout=600,
+                        env={"TORCH_LOGS": "recompiles"})
         assert run.returncode == 0, run.stderr[-3000:]
         assert ("decode step compiled in" in run.stderr) == compile_, run.stderr[-3000:]
         # the actor compiles its training and log-prob passes at start, too: its steps compile nothing more
@@ -92,7 +86,7 @@ def test_no_cxx_compiler_is_refused_at_start(embedded_cache, log_dir, tmp_path):
     (policy.generation.compile); policy.compile goes through the same check (serving.modeling.require_compiler)."""
     env = {"CXX": str(tmp_path / "no-such-compiler")}
     run_dir = tmp_path / "run"
-    run = subprocess.run(actor_command("ppo", run_dir, "policy.generation.compile=true", "policy.device=cpu"), cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
+    run = run_actor("ppo", run_dir, "policy.generation.compile=true", "policy.device=cpu", env=env)
     assert run.returncode == 1, run.stderr[-2000:]
     assert "policy.generation.compile=true" in run.stderr and "C++ compiler" in run.stderr, run.stderr[-2000:]
     reward = ServiceProcess("reward", "compile=true", "device=cpu", log_dir=log_dir, env=env)
