@@ -155,7 +155,7 @@ class PreallocatedLayer(DynamicLayer):
             where = torch.arange(self.length, end, device=self._keys.device)
             self._keys.index_copy_(2, where, key_states)
             self._values.index_copy_(2, where, value_states)
-        else:  # eager, a copy into the slice: 19 against 57 us for a [64, 8, 1, 32] step on the CPU
+        else:  # eager, a copy into the slice: the faster write on the CPU (python -m bench.kv_cache)
             self._keys[:, :, self.length:end].copy_(key_states)
             self._values[:, :, self.length:end].copy_(value_states)
         self.length = end

@@ -328,6 +328,18 @@ def test_generation_bench_runs(capsys, precision):
     assert out.count("milliseconds per decode step") == 2 and out.count("attention reads the KV cache at") == 1
 
 
+def test_kv_cache_bench_runs(capsys):
+    from bench.kv_cache import main
+
+    assert main(["--quick", "--threads", str(torch.get_num_threads())]) == 0
+    out = capsys.readouterr().out
+    # every measurement printed, each variant's figure beside the first one's
+    for heading in ("write one decode step's keys", "attention of one decode query over 8 positions:",
+                    "by the gap after each (row, head)", "attention over 12 positions:"):
+        assert heading in out
+    assert len(re.findall(r" [\d.]+ us +[\d.]+x\n", out)) == 12
+
+
 def padded_output(model, extra: int, boost: float):
     """`model` with `extra` output rows past its vocabulary (as Qwen's and Pythia's are padded), whose logits are
     `boost` standard deviations high, so that a plain sampler picks them often."""
