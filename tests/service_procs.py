@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import Self
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from actor.demo import NotReady, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,3 +136,11 @@ class ServiceProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def histogram_stats(proc: ServiceProcess, name: str, method: str) -> tuple[float, float]:
+    """(observations, their sum) of histogram `name` (e.g. ppo_critic_pass_tokens) for `method` on `proc`'s /metrics."""
+    text = httpx.get(f"{proc.http}/metrics", verify=proc.tls_context()).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name.startswith(name) and s.labels.get("method") == method}
+    return values.get(f"{name}_count", 0.0), values.get(f"{name}_sum", 0.0)

@@ -31,7 +31,7 @@ from serving.modeling import (
     vocab_sha256,
 )
 from tests.grpc_helpers import channel, expect_invalid, random_blobs, send_raw
-from tests.service_procs import ROOT, ServiceProcess
+from tests.service_procs import ROOT, ServiceProcess, histogram_stats
 
 SERVICE = "/ppo_services.v1.CriticService/"
 
@@ -116,21 +116,18 @@ def test_each_forward_pass_holds_at_most_the_token_budget_as_metrics_show(critic
     a Train of them cuts its micro-batches by train.micro_batch_size instead, one pass per micro-batch."""
     tokens = batch(8, b=16, s=64)[0]
     lengths = torch.full((16,), 64)
-    before = pass_stats(critic, "Infer")
+    def passes_since(before: tuple[float, float], method: str) -> tuple[float, float]:
+        now = histogram_stats(critic, "ppo_critic_pass_tokens", method)
+        return now[0] - before[0], now[1] - before[1]
+
+    before = histogram_stats(critic, "ppo_critic_pass_tokens", "Infer")
     infer(stub, tokens, lengths)
-    passes, total = (a - b for a, b in zip(pass_stats(critic, "Infer"), before, strict=True))
-    assert (passes, total) == (2, 2 * 8 * 64)
+    assert passes_since(before, "Infer") == (2, 2 * 8 * 64)
     assert 64 * 16 > TOKENS_PER_PASS  # one pass would have exceeded the budget
-    before = pass_stats(critic, "Train")
+    before = histogram_stats(critic, "ppo_critic_pass_tokens", "Train")
     stub.Train(train_request(tokens[:4], 0.0), timeout=60)
-    passes, total = (a - b for a, b in zip(pass_stats(critic, "Train"), before, strict=True))
+    passes, total = passes_since(before, "Train")
     assert passes >= 1 and total == 4 * 64
-
-
-def pass_stats(proc: ServiceProcess, method: str) -> tuple[float, float]:
-    """(forward passes, padded tokens in them) of `method` from the pass-token histogram on /metrics."""
-    labels = r'\{method="' + method + r'"\}'
-    return _metric(proc, "ppo_critic_pass_tokens_count" + labels), _metric(proc, "ppo_critic_pass_tokens_sum" + labels)
 
 
 def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):

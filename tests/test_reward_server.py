@@ -36,7 +36,7 @@ from serving.modeling import (
 from serving.wire import grpc_options
 from tests.conftest import OPENRLHF_MEAN, OPENRLHF_STD
 from tests.grpc_helpers import expect_invalid
-from tests.service_procs import ROOT, ServiceProcess
+from tests.service_procs import ROOT, ServiceProcess, histogram_stats
 
 SCORE = "/ppo_services.v1.RewardService/Score"
 GET_INFO = "/ppo_services.v1.RewardService/GetInfo"
@@ -142,14 +142,6 @@ def truth(samples) -> torch.Tensor:
     return torch.tensor([task.positive_fraction(r) for _, r in samples])
 
 
-def histogram_stats(proc: ServiceProcess, name: str, method: str = "Score") -> tuple[float, float]:
-    """(observations, their sum) of histogram `name` for `method` on /metrics."""
-    text = httpx.get(f"{proc.http}/metrics").text
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-              if s.name.startswith(name) and s.labels.get("method") == method}
-    return values.get(f"{name}_count", 0.0), values.get(f"{name}_sum", 0.0)
-
-
 def batch_size_stats(proc: ServiceProcess, method: str = "Score") -> tuple[float, float]:
     """(number of executed batches, total rows) from the batch-size histogram on /metrics."""
     return histogram_stats(proc, "ppo_reward_batch_size", method)
@@ -177,10 +169,10 @@ def test_get_info(stub, tokenizer):
 
 def test_score_tokens_matches_in_process_model(server, stub, tokenizer, reference_model):
     samples = make_samples(seed=1, n=6)
-    passes_before, tokens_before = histogram_stats(server, "ppo_reward_pass_tokens")
+    passes_before, tokens_before = histogram_stats(server, "ppo_reward_pass_tokens", "Score")
     reply = stub.Score(token_request(tokenizer, samples))
     # one forward pass over the 6 rows trimmed to the longest (the request's 3 extra padding columns dropped)
-    passes, tokens = histogram_stats(server, "ppo_reward_pass_tokens")
+    passes, tokens = histogram_stats(server, "ppo_reward_pass_tokens", "Score")
     assert (passes - passes_before, tokens - tokens_before) == (1, 6 * int(encode_samples(tokenizer, samples)[1].max()))
     rewards = decode(reply.rewards, "rewards")
     assert rewards.dtype == torch.float32 and rewards.shape == (6,)
