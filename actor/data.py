@@ -83,19 +83,17 @@ class PromptFormat:
             value = [{"role": "system", "content": self.system}, *value]
         return value
 
-    def conversation(self, value: Any) -> list[dict[str, str]]:
-        """The prompt as chat messages, as a chat reward model reads it: a string prompt (formatted by `template`)
-        is one user message, after the system message when there is one."""
-        return self.messages(value) or [{"role": "user", "content": self.text(value)}]
-
     def text(self, prompt: str) -> str:
         return prompt if self.template is None else self.template.format(prompt)
 
-    def ids(self, value: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """Token ids of a line's prompt; ValueError says what is wrong with it."""
+    def render(self, value: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[dict[str, str]]]:
+        """A line's prompt as the policy reads it (token ids) and as a chat reward model reads it (messages: a string
+        prompt, formatted by `template`, is one user message, after the system message when there is one);
+        ValueError says what is wrong with it."""
         messages = self.messages(value)
         if messages is None:  # as the tokenizer begins a text (e.g. with BOS), since the response continues it
-            return text_ids(tokenizer, [self.text(value)], ending=False)[0]
+            text = self.text(value)
+            return text_ids(tokenizer, [text], ending=False)[0], [{"role": "user", "content": text}]
         if tokenizer.chat_template is None:
             raise ValueError("a chat prompt needs a chat template, and the policy's tokenizer has none (set "
                              "chat_template in its tokenizer_config.json, or give string prompts with "
@@ -104,7 +102,7 @@ class PromptFormat:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate), with its line
             raise ValueError(f"the policy tokenizer's chat template refused the messages: {type(e).__name__}: {e}") from None
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer(text, add_special_tokens=False)["input_ids"], messages
 
 
 def _read_text(path: str, key: str) -> str:
@@ -134,7 +132,7 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
                 raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r} (or a list of "
                                 f"chat messages)")
             try:
-                ids = fmt.ids(obj[key], tokenizer)
+                ids, conversation = fmt.render(obj[key], tokenizer)
             except ValueError as e:
                 raise DataError(f"{path}:{lineno}: {key!r}: {e}") from None
             if not ids:
@@ -146,7 +144,7 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
                 raise DataError(f"{path}:{lineno}: the prompt holds token {tokenizer.convert_ids_to_tokens(token)!r} "
                                 f"(id {token}), past the policy's embedding table ({embedding_rows} rows): the "
                                 f"tokenizer has tokens the model was not resized for")
-            prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}", fmt.conversation(obj[key])))
+            prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}", conversation))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
