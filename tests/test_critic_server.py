@@ -116,6 +116,7 @@ def test_each_forward_pass_holds_at_most_the_token_budget_as_metrics_show(critic
     a Train of them cuts its micro-batches by train.micro_batch_size instead, one pass per micro-batch."""
     tokens = batch(8, b=16, s=64)[0]
     lengths = torch.full((16,), 64)
+
     def passes_since(before: tuple[float, float], method: str) -> tuple[float, float]:
         now = histogram_stats(critic, "ppo_critic_pass_tokens", method)
         return now[0] - before[0], now[1] - before[1]
