@@ -13,6 +13,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from serving.modeling import (
     TORCH_DTYPES,
     RewardNormalization,
     attention_mask_from_lengths,
+    by_length,
     compiled,
     copy_remote_code,
     last_token_scores,
@@ -190,22 +192,26 @@ class CriticCore:
         each trimmed to its longest row (padding positions are 0 either way)."""
         tokens = pad_and_stack([t for t, _ in requests])
         lengths = torch.cat([n for _, n in requests])
-        all_values = torch.zeros(tokens.shape, dtype=torch.float32)
-        all_rewards = torch.zeros(tokens.shape[0]) if self.reward_model is not None else None
-        for idx in length_buckets(lengths, self.cfg.batching.max_batch_size, self.cfg.batching.max_tokens_per_pass):
-            w = int(lengths[idx].max())
-            self.observe_pass("Infer", len(idx) * w)
-            tok, n = tokens[idx, :w].to(self.device), lengths[idx].to(self.device)
-            all_values[idx, :w] = self.values(tok, n).cpu()
-            if all_rewards is not None:
-                rewards = last_token_scores(self.scores(self.reward_model, tok, n), n)
-                all_rewards[idx] = self.normalize_reward(rewards).cpu()
-        out, row = [], 0
-        for t, _ in requests:
-            b, s = t.shape
-            out.append((all_values[row:row + b, :s], None if all_rewards is None else all_rewards[row:row + b]))
-            row += b
-        return out
+        values = self._in_passes(self.values, tokens, lengths)
+        rewards = None
+        if self.reward_model is not None:
+            rewards = self.normalize_reward(self._in_passes(
+                lambda t, n: last_token_scores(self.scores(self.reward_model, t, n), n), tokens, lengths))
+        rows = [t.shape[0] for t, _ in requests]
+        value_parts = values.split(rows)
+        reward_parts = rewards.split(rows) if rewards is not None else [None] * len(rows)
+        return [(v[:, :t.shape[1]], r) for (t, _), v, r in zip(requests, value_parts, reward_parts, strict=True)]
+
+    def _in_passes(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor,
+                   lengths: torch.Tensor) -> torch.Tensor:
+        """`fn` over the Infer batch in the passes the batching config cuts it into (`by_length`), each pass's padded
+        tokens on /metrics."""
+        def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+            self.observe_pass("Infer", tok.numel())
+            return fn(tok, n)
+
+        return by_length(pass_, tokens, lengths, self.cfg.batching.max_batch_size, self.device,
+                         self.cfg.batching.max_tokens_per_pass)
 
     # --- training -------------------------------------------------------------------------------
     def validate_train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor,

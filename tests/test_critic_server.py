@@ -928,6 +928,8 @@ def test_a_critic_serves_openrlhf_checkpoints_and_saves_them_in_transformers_lay
             critic_pb2.InferRequest(tokens=encode(tokens), lengths=encode(lengths)), timeout=60)
         saved = critic_pb2_grpc.CriticServiceStub(ch).Save(critic_pb2.SaveRequest(tag="orl"), timeout=120).path
         ch.close()
+        # the batch fits one pass, run by each model: the critic's for values, the reward model's for rewards
+        assert histogram_stats(server, "ppo_critic_pass_tokens", "Infer") == (2, 2 * tokens.numel())
     model = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
     with torch.no_grad():
         scores = per_token_scores(model, tokens, lengths)
