@@ -12,7 +12,8 @@ layer's cache is not still in the CPU's caches from its last call. Three measure
              `index_copy_` into the whole buffer (what the compiled step does), microseconds a write;
   layout     one decode query [64, 8, 1, 32] attending (scaled_dot_product_attention) to the first t positions of
              the pre-allocated buffer (a strided view: each (row, head) block is followed by a gap of 272 - t
-             positions) against a packed [64, 8, t, 32] tensor, at t = 48, 144 and 272, microseconds a layer;
+             positions) against a packed [64, 8, t, 32] tensor, and against the prefix with query, keys and values
+             in bfloat16 (a half-precision cache), at t = 48, 144 and 272, microseconds a layer;
   gap        the same query over t = `gap_length` positions of buffers t + g long, g = 0 (packed) up to 272 - t (the
              pre-allocated buffer), so the gap after each (row, head) block is g positions; and what re-packing a
              layer's keys (or values) costs: their first t positions copied into a new buffer;
@@ -71,19 +72,19 @@ def alternating(variants: dict[str, Callable[[int], object]], repeats: int, laye
 
 def cache_write(shape: Shape, repeats: int) -> dict[str, float]:
     b, h, d = shape.batch, shape.heads, shape.head_dim
-    buffers = [torch.randn(b, h, shape.capacity, d) for _ in range(2 * shape.layers)]
+    # each variant writes buffers of its own, so neither finds the other's freshly written lines in the CPU's caches
+    sliced, indexed = ([torch.randn(b, h, shape.capacity, d) for _ in range(2 * shape.layers)] for _ in range(2))
     new = torch.randn(b, h, 1, d)
     at = shape.capacity // 2
     where = torch.tensor([at])
 
     def into_slice(layer: int) -> None:
-        buffers[layer][:, :, at:at + 1].copy_(new)
+        sliced[layer][:, :, at:at + 1].copy_(new)
 
     def by_index_copy(layer: int) -> None:
-        buffers[layer].index_copy_(2, where, new)
+        indexed[layer].index_copy_(2, where, new)
 
-    for write in (into_slice, by_index_copy):
-        buffers[0].zero_()
+    for write, buffers in ((into_slice, sliced), (by_index_copy, indexed)):
         write(0)
         assert torch.equal(buffers[0][:, :, at:at + 1], new)
     return alternating({"copy into the slice (eager step)": into_slice,
@@ -97,12 +98,17 @@ def layout(shape: Shape, length: int, repeats: int) -> dict[str, float]:
     packed_k = [k[:, :, :length].contiguous() for k in keys]
     packed_v = [v[:, :, :length].contiguous() for v in values]
     query = torch.randn(b, h, 1, d)
-    assert torch.allclose(F.scaled_dot_product_attention(query, keys[0][:, :, :length], values[0][:, :, :length]),
-                          F.scaled_dot_product_attention(query, packed_k[0], packed_v[0]), atol=1e-5)
+    half_k, half_v, half_q = [k.bfloat16() for k in keys], [v.bfloat16() for v in values], query.bfloat16()
+    full = F.scaled_dot_product_attention(query, keys[0][:, :, :length], values[0][:, :, :length])
+    assert torch.allclose(full, F.scaled_dot_product_attention(query, packed_k[0], packed_v[0]), atol=1e-5)
+    half = F.scaled_dot_product_attention(half_q, half_k[0][:, :, :length], half_v[0][:, :, :length]).float()
+    assert torch.allclose(full, half, atol=0.05)
     return alternating({
         "prefix of the pre-allocated buffer":
             lambda i: F.scaled_dot_product_attention(query, keys[i][:, :, :length], values[i][:, :, :length]),
         "packed": lambda i: F.scaled_dot_product_attention(query, packed_k[i], packed_v[i]),
+        "prefix, query, keys and values in bfloat16": lambda i: F.scaled_dot_product_attention(
+            half_q, half_k[i][:, :, :length], half_v[i][:, :, :length]),
     }, repeats, shape.layers)
 
 

@@ -337,7 +337,7 @@ def test_kv_cache_bench_runs(capsys):
     for heading in ("write one decode step's keys", "attention of one decode query over 8 positions:",
                     "by the gap after each (row, head)", "attention over 12 positions:"):
         assert heading in out
-    assert len(re.findall(r" [\d.]+ us +[\d.]+x\n", out)) == 12
+    assert len(re.findall(r" [\d.]+ us +[\d.]+x\n", out)) == 14
 
 
 def padded_output(model, extra: int, boost: float):
