@@ -5,7 +5,7 @@
 The shapes are the generation bench's (bench/generation.py): batch 64, 8 heads of 32, a cache of 16 prompt + 256 new
 tokens, 6 layers. Each timing is the median over `--repeats` calls, variants alternating call by call, and the calls
 cycle through 6 layers' keys and values (12 tensors, about 107 MiB at full length) so that, as in a real step, a
-layer's cache is not still in the CPU's caches from its last call. Three measurements:
+layer's cache is not still in the CPU's caches from its last call. Four measurements:
 
   write      one decode step's new keys (or values), [64, 8, 1, 32], written at position `length` of the
              pre-allocated [64, 8, 272, 32] buffer: a copy into the slice (what an eager step does) against
