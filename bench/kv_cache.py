@@ -4,10 +4,10 @@
 
 The shapes are the generation bench's (bench/generation.py): batch 64, 8 heads of 32, a cache of 16 prompt + 256 new
 tokens, 6 layers. Each timing is the median over `--repeats` calls, variants alternating call by call, and the calls
-cycle through 6 layers' keys and values (12 tensors, about 107 MiB at full length) so that, as in a real step, a
+cycle through 6 layers' keys and values (12 tensors, about 204 MiB at full length) so that, as in a real step, a
 layer's cache is not still in the CPU's caches from its last call. Four measurements:
 
-  write      one decode step's new keys (or values), [64, 8, 1, 32], written at position `length` of the
+  write      one decode step's new keys (or values), [64, 8, 1, 32], written at the middle position of the
              pre-allocated [64, 8, 272, 32] buffer: a copy into the slice (what an eager step does) against
              `index_copy_` into the whole buffer (what the compiled step does), microseconds a write;
   layout     one decode query [64, 8, 1, 32] attending (scaled_dot_product_attention) to the first t positions of
