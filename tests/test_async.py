@@ -83,6 +83,18 @@ def test_the_worker_runs_at_most_max_age_steps_ahead():
         assert w.stop(5)
 
 
+def failing_second_take(generate, timeout_s: float, match: str):
+    """A worker on `generate` (generation_timeout_s `timeout_s`) whose first batch is taken and weights published,
+    then a take that must raise RolloutWorkerError matching `match`. Returns the worker and that take's seconds."""
+    w = worker(generate, max_age=0, timeout_s=timeout_s).start()
+    w.take(2)
+    w.publish({})
+    start = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match=match):
+        w.take(2)
+    return w, time.monotonic() - start
+
+
 @pytest.mark.timeout(20)
 def test_a_straggling_generation_times_out_in_the_trainer_and_the_worker_is_left_behind():
     release = threading.Event()
@@ -92,13 +104,8 @@ def test_a_straggling_generation_times_out_in_the_trainer_and_the_worker_is_left
             release.wait(30)
         return fake_rollout(prompts)
 
-    w = worker(generate, max_age=0, timeout_s=0.5).start()
-    w.take(2)
-    w.publish({})
-    start = time.monotonic()
-    with pytest.raises(RolloutWorkerError, match="ppo.async_grpo.generation_timeout_s"):
-        w.take(2)
-    assert time.monotonic() - start < 3
+    w, waited = failing_second_take(generate, 0.5, "ppo.async_grpo.generation_timeout_s")
+    assert waited < 3
     assert not w.stop(0.2)  # still inside the straggling generation: stop() returns instead of hanging
     release.set()
     assert w.stop(5)
@@ -111,13 +118,8 @@ def test_a_generation_that_raises_surfaces_in_the_trainer_at_once():
             raise ValueError("CUDA out of memory (simulated)")
         return fake_rollout(prompts)
 
-    w = worker(generate, max_age=0, timeout_s=60).start()
-    w.take(2)
-    w.publish({})
-    start = time.monotonic()
-    with pytest.raises(RolloutWorkerError, match="ValueError: CUDA out of memory"):
-        w.take(2)
-    assert time.monotonic() - start < 5  # not the 60 s timeout
+    w, waited = failing_second_take(generate, 60, "ValueError: CUDA out of memory")
+    assert waited < 5  # not the 60 s timeout
     assert w.stop(5)
 
 
