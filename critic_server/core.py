@@ -5,6 +5,7 @@ Every method except the validators runs on the server's single model thread (ser
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -204,14 +205,9 @@ class CriticCore:
 
     def _in_passes(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor,
                    lengths: torch.Tensor) -> torch.Tensor:
-        """`fn` over the Infer batch in the passes the batching config cuts it into (`by_length`), each pass's padded
-        tokens on /metrics."""
-        def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-            self.observe_pass("Infer", tok.numel())
-            return fn(tok, n)
-
-        return by_length(pass_, tokens, lengths, self.cfg.batching.max_batch_size, self.device,
-                         self.cfg.batching.max_tokens_per_pass)
+        """`fn` over the Infer batch in the passes the batching config cuts it into, each on /metrics."""
+        return by_length(fn, tokens, lengths, self.cfg.batching.max_batch_size, self.device,
+                         self.cfg.batching.max_tokens_per_pass, observe=functools.partial(self.observe_pass, "Infer"))
 
     # --- training -------------------------------------------------------------------------------
     def validate_train(self, tokens: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor,

@@ -314,12 +314,9 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-            self.observe_pass("Score", tok.numel())
-            return self.scores(self.model, tok, n)
-
-        rewards = by_length(pass_, tokens, lengths, self.cfg.batching.max_batch_size, self.device,
-                            self.cfg.batching.max_tokens_per_pass)
+        rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
+                            self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass,
+                            observe=functools.partial(self.observe_pass, "Score"))
         rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))
 

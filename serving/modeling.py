@@ -288,14 +288,17 @@ def length_buckets(lengths: torch.Tensor, size: int, max_tokens: int = 0) -> lis
 
 
 def by_length(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor,
-              size: int, device: torch.device | str = "cpu", max_tokens: int = 0) -> torch.Tensor:
+              size: int, device: torch.device | str = "cpu", max_tokens: int = 0,
+              observe: Callable[[int], object] | None = None) -> torch.Tensor:
     """Apply `fn(tokens [b, w], lengths [b])` to length buckets of at most `size` rows (and `max_tokens` padded
     tokens, when > 0), each trimmed to its longest row w, and gather the outputs back in row order on the CPU.
     `fn` returns [b] per row or [b, w - k] per position; positions past a bucket's width are 0 in the result
-    ([B] or [B, S - k])."""
+    ([B] or [B, S - k]). `observe`, when given, is called with each pass's padded tokens (b x w) before it runs."""
     out = None
     for idx in length_buckets(lengths, size, max_tokens):
         w = int(lengths[idx].max())
+        if observe is not None:
+            observe(len(idx) * w)
         y = fn(tokens[idx, :w].to(device), lengths[idx].to(device)).cpu()
         if out is None:
             shape = (tokens.shape[0],) if y.dim() == 1 else (tokens.shape[0], tokens.shape[1] - (w - y.shape[1]))

@@ -83,8 +83,10 @@ def test_bucketed_log_probs_equal_the_padded_ones(policy):
 def test_by_length_gathers_per_row_outputs_back_in_order():
     tokens = torch.arange(30).reshape(6, 5)
     lengths = torch.tensor([2, 5, 3, 1, 4, 5])
-    firsts = by_length(lambda t, n: t[:, 0].float() + n.float() / 10, tokens, lengths, size=2)
+    passes: list[int] = []
+    firsts = by_length(lambda t, n: t[:, 0].float() + n.float() / 10, tokens, lengths, size=2, observe=passes.append)
     torch.testing.assert_close(firsts, tokens[:, 0].float() + lengths.float() / 10)
+    assert passes == [2 * 5, 2 * 4, 2 * 2]  # each pass's padded tokens: buckets (5, 5), (4, 3), (2, 1)
     widths = by_length(lambda t, n: torch.full((t.shape[0], t.shape[1] - 1), float(t.shape[1])), tokens, lengths, 2)
     assert widths.shape == (6, 4)
     # each row lies in a bucket trimmed to that bucket's longest row, and nothing is written past it
