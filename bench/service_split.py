@@ -1,7 +1,7 @@
 """Is the service split free? The critic served over loopback gRPC against the same model in process, the tensor
 codec's speed, and what dynamic batching gains, measured on this machine in one run against the targets of the issue.
 
-    python -m bench.service_split [--rounds 7] [--seconds 3] [--quick]
+    python -m bench.service_split [--rounds 7] [--seconds 3] [--queue-delay-ms MS] [--quick]
 
 1. Remote Infer vs in-process forward. A Llama-style critic (hidden 256, 6 layers, 8 heads, MLP 768, vocab 100, a
    one-label `score` head: what `critic_server` loads) is built into a temporary directory and served by
@@ -17,8 +17,9 @@ codec's speed, and what dynamic batching gains, measured on this machine in one 
 2. The tensor codec: encode, SerializeToString, FromString and decode of float32 [64, 272] and [512, 4096], in this
    process after the rest. Target: >= 1 GB/s (tensor bytes / median round-trip time).
 3. Dynamic batching. 8 client threads, each with a CriticClient of its own, send Infer requests back to back for
-   --seconds to the server above (default batching) and to one started with batching.max_batch_size=1 (one request
-   per forward pass: batching off); rounds alternate. Target: median throughput ratio >= 3. Two workloads: requests
+   --seconds to the server above (default batching, or batching.max_queue_delay_ms=MS with --queue-delay-ms) and to
+   one started with batching.max_batch_size=1 (one request per forward pass: batching off); rounds alternate. Each
+   round also gives the CPU time a request took in the server process and in this one (the clients). Target: median throughput ratio >= 3. Two workloads: requests
    of 1 row x 272 tokens (the issue's example) and of 1 x 16 (small enough that per-pass overhead, which is what
    batching saves, dominates). Each comes with the most batching could gain on it, measured in process: 8 forward
    passes of one request against 8 rows in the server's passes (8 x 272 tokens are two: 7 rows and 1); a gain
@@ -162,10 +163,27 @@ def batch_stats(server: ServiceProcess) -> tuple[float, float]:
     return infer_metric(server, "batch_size_sum"), infer_metric(server, "batch_size_count")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc; 0.0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Throughput:
+    rate: float  # requests per second
+    rows_per_batch: float  # mean rows the server ran per batch
+    server_cpu: float  # the server process's CPU seconds per request (every thread of it, both torch threads)
+    client_cpu: float  # this process's CPU seconds per request (the client threads' encoding, gRPC and decoding)
+
+
 def throughput(server: ServiceProcess, clients: list[CriticClient], request: tuple[torch.Tensor, torch.Tensor],
-               seconds: float) -> tuple[float, float]:
-    """len(clients) threads send `request` back to back for `seconds` (each at least once). Returns (requests/s,
-    mean rows per batch the server ran), counting every request sent and the time until the last reply."""
+               seconds: float) -> Throughput:
+    """len(clients) threads send `request` back to back for `seconds` (each at least once), counting every request
+    sent and the time until the last reply."""
     rows0, batches0 = batch_stats(server)
     done = [0] * len(clients)
     errors: list[BaseException] = []
@@ -186,20 +204,23 @@ def throughput(server: ServiceProcess, clients: list[CriticClient], request: tup
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(len(clients))]
     for th in threads:
         th.start()
+    server_cpu, client_cpu = process_cpu_seconds(server.proc.pid), time.process_time()
     start = time.perf_counter()
     stop_at[0] = start + seconds
     go.wait()
     for th in threads:
         th.join()
     wall = time.perf_counter() - start
+    server_cpu, client_cpu = process_cpu_seconds(server.proc.pid) - server_cpu, time.process_time() - client_cpu
     if errors:
         raise RuntimeError(f"a batching client failed: {errors[0]}")
     rows1, batches1 = batch_stats(server)
-    return sum(done) / wall, (rows1 - rows0) / max(batches1 - batches0, 1)
+    n = sum(done)
+    return Throughput(n / wall, (rows1 - rows0) / max(batches1 - batches0, 1), server_cpu / n, client_cpu / n)
 
 
 def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple[int, int], rounds: int,
-                  seconds: float, max_batch_size: int) -> list[tuple[str, str, str, str | None]]:
+                  seconds: float, max_batch_size: int, queue_delay_ms: float) -> list[tuple[str, str, str, str | None]]:
     """The batching gain for CLIENTS clients sending `request` (rows x tokens), and for scale the most it can be:
     CLIENTS forward passes of one request against one pass of all of them, in process."""
     rb, rs = request
@@ -216,40 +237,50 @@ def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple
         for p in (on, off):  # connect and warm up
             throughput(p, clients[p], single, 0.0)
         gains: list[float] = []
-        rates: dict[ServiceProcess, list[float]] = {on: [], off: []}
-        mean_rows: dict[ServiceProcess, list[float]] = {on: [], off: []}
+        runs: dict[ServiceProcess, list[Throughput]] = {on: [], off: []}
         for r in range(rounds):
             for p in (on, off):
-                rate, mean = throughput(p, clients[p], single, seconds)
-                rates[p].append(rate)
-                mean_rows[p].append(mean)
-            gains.append(rates[on][-1] / rates[off][-1])
-            print(f"  round {r + 1}: on {rates[on][-1]:7.1f} req/s ({mean_rows[on][-1]:.1f} rows per batch), "
-                  f"off {rates[off][-1]:7.1f} req/s, gain {gains[-1]:.2f}x", flush=True)
+                runs[p].append(throughput(p, clients[p], single, seconds))
+            gains.append(runs[on][-1].rate / runs[off][-1].rate)
+            a, b = runs[on][-1], runs[off][-1]
+            print(f"  round {r + 1}: on {a.rate:7.1f} req/s ({a.rows_per_batch:.1f} rows per batch; CPU a request: "
+                  f"server {a.server_cpu * 1000:.2f} ms, clients {a.client_cpu * 1000:.2f} ms), off {b.rate:7.1f} req/s "
+                  f"(server {b.server_cpu * 1000:.2f} ms, clients {b.client_cpu * 1000:.2f} ms), gain {gains[-1]:.2f}x",
+                  flush=True)
     finally:
         for p in (on, off):
             for c in clients[p]:
                 c.close()
     gain = statistics.median(gains)
+
+    def median(p: ServiceProcess, field: str) -> float:
+        return statistics.median(getattr(t, field) for t in runs[p])
+
+    def cpu(p: ServiceProcess) -> str:
+        return (f"CPU a request: server {median(p, 'server_cpu') * 1000:.2f} ms, clients "
+                f"{median(p, 'client_cpu') * 1000:.2f} ms")
+
     verdict = "pass" if gain >= 3.0 else ("FAIL" if ceiling >= 3.0 else f"FAIL (at most {ceiling:.2f}x possible)")
     ceiling_name = (f"in process, {what}: {CLIENTS} forward passes of {rb} x {rs} / {CLIENTS * rb} x {rs} in the "
                     f"server's passes (the most batching can gain)")
-    on_name = (f"Infer throughput, {what}, batching on (max_batch_size {max_batch_size}; "
-               f"{statistics.median(mean_rows[on]):.1f} rows per batch)")
+    on_name = (f"Infer throughput, {what}, batching on (max_batch_size {max_batch_size}, max_queue_delay_ms "
+               f"{queue_delay_ms:g}; {median(on, 'rows_per_batch'):.1f} rows per batch; {cpu(on)})")
     return [
-        (ceiling_name, f"{ceiling:.2f}x", "", None),
-        (on_name, f"{statistics.median(rates[on]):.1f} req/s", "", None),
-        (f"Infer throughput, {what}, batching off (batching.max_batch_size=1)",
-         f"{statistics.median(rates[off]):.1f} req/s", "", None),
+        (ceiling_name, f"{ceiling:.2f}x ({CLIENTS} x {t_single * 1000:.1f} ms / {t_merged * 1000:.1f} ms)", "", None),
+        (on_name, f"{median(on, 'rate'):.1f} req/s", "", None),
+        (f"Infer throughput, {what}, batching off (batching.max_batch_size=1; {cpu(off)})",
+         f"{median(off, 'rate'):.1f} req/s", "", None),
         (f"Infer throughput gain of batching, {what} (median of {rounds} rounds of {seconds:g} s)", f"{gain:.2f}x",
          ">= 3x", verdict),
     ]
 
 
-def start_servers(model: Path, work: Path) -> tuple[ServiceProcess, ServiceProcess]:
-    """The critic with default batching and one with batching off, started together."""
+def start_servers(model: Path, work: Path, queue_delay_ms: float | None) -> tuple[ServiceProcess, ServiceProcess]:
+    """The critic with default batching (or another max_queue_delay_ms) and one with batching off, started
+    together."""
     common = ("--model", str(model), f"num_threads={THREADS}", "resume=never")  # flags first, then key=value
-    on = ServiceProcess("critic", "--checkpoint-dir", str(work / "ck-on"), *common, log_dir=work)
+    delay = () if queue_delay_ms is None else (f"batching.max_queue_delay_ms={queue_delay_ms:g}",)
+    on = ServiceProcess("critic", "--checkpoint-dir", str(work / "ck-on"), *common, *delay, log_dir=work)
     off = ServiceProcess("critic", "--checkpoint-dir", str(work / "ck-off"), *common, "batching.max_batch_size=1",
                          log_dir=work)
     errors: list[BaseException] = []
@@ -281,9 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds of each comparison")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each batching round")
+    parser.add_argument("--queue-delay-ms", type=float, default=None,
+                        help="batching.max_queue_delay_ms of the server with batching on (default: the server's default)")
     parser.add_argument("--quick", action="store_true", help="tiny model, one short round: checks that it runs")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
+    queue_delay = SERVER_PASSES.max_queue_delay_ms if args.queue_delay_ms is None else args.queue_delay_ms
     rounds = 1 if args.quick else args.rounds
     seconds = 0.5 if args.quick else args.seconds
     torch.set_num_threads(THREADS)
@@ -295,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         model_dir = build_critic(work / "critic", size)
         print("starting the critic servers ...", flush=True)
-        on, off = start_servers(model_dir, work)
+        on, off = start_servers(model_dir, work, args.queue_delay_ms)
         try:
             model = load_scalar_head_model(str(model_dir)).eval()
             client = CriticClient(RemoteConfig(address=on.address))
@@ -337,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                          "<= 1e-4", passed(max_diff <= 1e-4)))
 
             for rb, rs in size.requests:
-                rows += batching_rows(model, on, off, (rb, rs), rounds, seconds, info.max_batch_size)
+                rows += batching_rows(model, on, off, (rb, rs), rounds, seconds, info.max_batch_size, queue_delay)
             client.close()
         finally:
             stoppers = [threading.Thread(target=p.stop) for p in (on, off)]
@@ -356,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load_end = os.getloadavg()[0]
     command = "python -m bench.service_split" + (" --quick" if args.quick else f" --rounds {rounds} --seconds {seconds:g}")
+    if args.queue_delay_ms is not None:
+        command += f" --queue-delay-ms {args.queue_delay_ms:g}"
     print(f"\n`{command}`: {os.cpu_count()} CPU cores ({len(os.sched_getaffinity(0))} usable), no GPU used; torch "
           f"{torch.__version__} with {THREADS} threads in process and num_threads={THREADS} on each server; "
           f"{CLIENTS} batching clients; glibc malloc thresholds {'raised' if retains_freed_memory else 'default'} "

@@ -1,8 +1,11 @@
 """The model worker: all model work of a server runs on one thread, in arrival order.
 
 Consecutive requests of the same batchable method are merged into one call of the model (dynamic
-batching): a partial batch is held until it has `max_batch_size` rows or its oldest request waited
-`max_queue_delay`. Exclusive work (a training step, a save) runs alone, so a Train that arrived before
+batching), up to `max_batch_size` rows: what queued while the model was busy, and the requests of callers
+that are known to be calling. Clients that wait for each reply before they send again come back a few
+milliseconds after it, so a batch waits up to `max_queue_delay` while it holds fewer requests than were in
+the worker at once since the method's last batch, and closes as soon as they are in; a lone caller never
+waits, and a caller that stopped is waited for once. Exclusive work (a training step, a save) runs alone, so a Train that arrived before
 an Infer is applied before that Infer runs. A bounded queue gives backpressure (Overloaded).
 """
 
@@ -49,6 +52,10 @@ class ModelWorker:
         self._task: asyncio.Task | None = None
         self._accepting = True
         self._busy = False
+        # Batchable requests of each method inside the worker (queued or running), and the most there were at once
+        # since that method's last batch: how many callers are calling it concurrently, back to back.
+        self._inside: collections.Counter[str] = collections.Counter()
+        self._peak: collections.Counter[str] = collections.Counter()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -81,6 +88,9 @@ class ModelWorker:
         if len(self._queue) >= self.max_queue_size:
             raise Overloaded(f"work queue is full ({self.max_queue_size} requests); retry later")
         self._queue.append(work)
+        if work.batchable:
+            self._inside[work.method] += 1
+            self._peak[work.method] = max(self._peak[work.method], self._inside[work.method])
         self.metrics.queue_depth.set(len(self._queue))
         self._wakeup.set()
         return await work.future
@@ -104,16 +114,8 @@ class ModelWorker:
             self._busy = True  # from here until its results are delivered, even while the batch still forms
             batch = [head]
             if head.batchable:
-                rows = head.rows
-                deadline = head.enqueued + self.max_queue_delay_s
-                while rows < self.max_batch_size:
-                    nxt = await self._next(max(0.0, deadline - time.monotonic()))
-                    if nxt is None or not nxt.batchable or nxt.method != head.method:
-                        break
-                    if rows + nxt.rows > self.max_batch_size:
-                        break
-                    batch.append(self._queue.popleft())
-                    rows += nxt.rows
+                batch = await self._gather(head)
+                self._peak[head.method] = self._inside[head.method]  # the batch and what is still queued
             self.metrics.queue_depth.set(len(self._queue))
             now = time.monotonic()
             for w in batch:
@@ -137,6 +139,24 @@ class ModelWorker:
                         w.future.set_exception(e)
             finally:
                 self._busy = False
+                if head.batchable:
+                    self._inside[head.method] -= len(batch)
+
+    async def _gather(self, head: _Work) -> list[_Work]:
+        """`head`, the queued requests of its method behind it, and ones still coming: while fewer of the method's
+        requests are in the batch than were inside the worker at once since its last batch (callers calling back to
+        back, whose next requests follow the replies just sent), wait up to max_queue_delay for them. A lone caller
+        never waits; the batch closes at max_batch_size rows."""
+        expected = self._peak[head.method]
+        deadline = time.monotonic() + self.max_queue_delay_s
+        batch, rows = [head], head.rows
+        while rows < self.max_batch_size and len(batch) < expected:
+            nxt = await self._next(max(0.0, deadline - time.monotonic()))
+            if nxt is None or not nxt.batchable or nxt.method != head.method or rows + nxt.rows > self.max_batch_size:
+                break
+            batch.append(self._queue.popleft())
+            rows += nxt.rows
+        return batch
 
     async def drain(self, timeout: float) -> bool:
         """Stop accepting work and wait up to `timeout` for what is queued or running to finish. Returns

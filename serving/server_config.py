@@ -21,7 +21,11 @@ class BatchingConfig(StrictModel):
         "passes ran faster than one pass of the whole batch (docs/PERFORMANCE.md). On a GPU, where small models' "
         "passes are bound by launching kernels, fewer and larger passes may pay (not measured). 0: rows only. "
         "Each pass's padded tokens are on /metrics (ppo_<service>_pass_tokens, by method).")
-    max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a partial batch waits for more rows.")
+    max_queue_delay_ms: float = Field(
+        10.0, ge=0, description="Longest a partial batch waits for more rows. It waits only while fewer requests of its "
+        "method are in it than were in the server at once since that method's last batch (callers that call back to "
+        "back, whose next requests follow the replies just sent) and closes as soon as they are in; a lone caller never "
+        "waits. 0: take only what is queued.")
     max_queue_size: int = Field(1024, ge=1, description="Queued requests beyond which new ones get RESOURCE_EXHAUSTED.")
 
 

@@ -116,3 +116,64 @@ async def test_requests_queued_behind_a_running_batch_form_the_next_batch_togeth
     assert await first == "first" and [await q for q in queued] == [f"q{i}" for i in range(5)]
     assert batches == [["first"], ["q0", "q1", "q2", "q3"], ["q4"]]  # 2 rows each: 4 fit in 8 rows
     await worker.drain(5)
+
+
+async def test_a_lone_caller_never_waits_for_company():
+    """max_queue_delay holds a batch only for callers known to be coming: one caller calling back to back runs at
+    once, however long the delay."""
+    worker = make_worker(max_queue_delay_s=1.0)
+    start = time.monotonic()
+    for i in range(5):
+        assert await worker.run_batched("Infer", 1, i, lambda payloads: payloads) == i
+    assert time.monotonic() - start < 1.0  # each call would have waited 1 s for more rows
+    await worker.drain(5)
+
+
+async def _closed_loop_clients(worker: ModelWorker, clients: int, rounds: int, run) -> None:
+    """`clients` callers that each send their next request a little after their reply, as remote clients do."""
+
+    async def client(i: int) -> None:
+        for r in range(rounds):
+            await worker.run_batched("Infer", 1, (i, r), run)
+            await asyncio.sleep(0.002 * (i + 1))  # the reply's way back and the next request's way in
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+
+
+async def test_callers_calling_back_to_back_are_waited_for_and_the_batch_closes_when_all_are_in():
+    """4 clients whose next requests arrive 2-8 ms after their replies: each batch waits for the ones still on their
+    way (which alone would form batches of 1-3 behind the running one) and closes as soon as all 4 are in, well
+    before the delay runs out."""
+    worker = make_worker(max_batch_size=64, max_queue_delay_s=0.5)
+    batches: list[int] = []
+
+    def run(payloads: list) -> list:
+        batches.append(len(payloads))
+        time.sleep(0.01)
+        return payloads
+
+    start = time.monotonic()
+    await _closed_loop_clients(worker, 4, 10, run)
+    assert batches == [4] * 10
+    assert time.monotonic() - start < 2.5  # 10 waits of the whole 0.5 s delay would take 5 s
+    await worker.drain(5)
+
+
+async def test_a_caller_that_stops_is_waited_for_once_at_most():
+    """After 3 of 4 clients stop, the next batch waits the delay for them once; the one left then runs at once."""
+    worker = make_worker(max_batch_size=64, max_queue_delay_s=0.3)
+    batches: list[int] = []
+
+    def run(payloads: list) -> list:
+        batches.append(len(payloads))
+        return payloads
+
+    await _closed_loop_clients(worker, 4, 3, run)
+    times = []
+    for i in range(4):
+        start = time.monotonic()
+        await worker.run_batched("Infer", 1, i, run)
+        times.append(time.monotonic() - start)
+    assert times[0] >= 0.25 and max(times[1:]) < 0.15, times
+    assert batches[-4:] == [1, 1, 1, 1]
+    await worker.drain(5)

@@ -133,10 +133,15 @@ def test_each_forward_pass_holds_at_most_the_token_budget_as_metrics_show(critic
 
 def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
     requests = [batch(100 + i, b=2, s=6 + i) for i in range(8)]
-    expected = [infer(stub, t, n) for t, n in requests]
+    queued_before = histogram_stats(critic, "ppo_critic_queue_duration_seconds", "Infer")
+    expected = [infer(stub, t, n) for t, n in requests]  # one caller, back to back: none waits for company
+    count, waited = (a - b for a, b in zip(histogram_stats(critic, "ppo_critic_queue_duration_seconds", "Infer"),
+                                           queued_before, strict=True))
+    # Each waited the whole 200 ms window before; now at most the first waits it, for callers of an earlier test.
+    assert count == len(requests) and waited < 0.5, f"{count} lone calls waited {waited:.3f} s in all"
     before = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}')
     calls = [stub.Infer.future(critic_pb2.InferRequest(tokens=encode(t), lengths=encode(n)), timeout=60)
-             for t, n in requests]  # all sent within a few milliseconds, inside the 200 ms batching window
+             for t, n in requests]  # sent within a few milliseconds: those behind the first run merged
     got = [decode(c.result().values, "values") for c in calls]
     batches = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}') - before
     for g, e in zip(got, expected):

@@ -47,7 +47,7 @@ GET_INFO = "/ppo_services.v1.RewardService/GetInfo"
 
 @pytest.fixture(scope="module")
 def server(embedded_cache, log_dir):
-    """The default learned reward model; a long batching delay so concurrent calls are merged for sure."""
+    """The default learned reward model; a long batching delay, the longest a batch waits for callers it expects."""
     extra = ("components=[positive_fraction]", "batching.max_queue_delay_ms=100")
     env = {"PPO_SERVICES_CACHE": str(embedded_cache)}
     with ServiceProcess("reward", *extra, log_dir=log_dir, env=env) as proc:
