@@ -269,7 +269,8 @@ class AsyncRollouts:
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.backend = TorchGenerationBackend(self.model, pad_id, device, tokenizer=collector.backend.tokenizer,
                                               compile_decode=compile_decode,
-                                              compute_dtype=collector.backend.compute_dtype)
+                                              compute_dtype=collector.backend.compute_dtype,
+                                              prepack=collector.backend.prepack)
         # the worker generates as the trainer's collector does (episodes too, with an environment), with its own
         # model and its own timers (the trainer's belong to its step)
         worker_collector = copy.copy(collector)

@@ -7,6 +7,7 @@ will implement the same `GenerationBackend` protocol, plus `update_weights` for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -27,6 +28,7 @@ from transformers.generation.logits_process import (
 )
 
 from serving.modeling import computing_in, pad_and_stack, require_compiler, right_pad
+from serving.prepack import can_prepack, prepacked_linears
 
 from .stop_strings import StopStringMatcher
 
@@ -318,7 +320,9 @@ class TorchGenerationBackend:
     for prompt + max_new_tokens (`PreallocatedCache`: written in place, attention over the filled prefix only); models
     whose cache layers are not plain full attention, or that do not fill the cache they are given, fall back
     automatically to transformers' `DynamicCache` (`kv_cache="dynamic"` forces it). The attention mask is allocated
-    once and sliced; the prefill computes logits for the last position only.
+    once and sliced; the prefill computes logits for the last position only. On a CPU in float32 (`prepack`, the
+    default), the linear layers compute through weights prepacked for oneDNN for the length of each generation
+    (`serving.prepack`).
 
     Finished rows leave the batch: when the rows still running drop below `compact_below` of the rows in the batch,
     the batch is compacted (cache rows, positions, mask, sampled history); until then finished rows ride along and
@@ -335,7 +339,7 @@ class TorchGenerationBackend:
 
     def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device, *, kv_cache: str = "auto",
                  compact_below: float = 0.75, tokenizer: PreTrainedTokenizerBase | None = None,
-                 compile_decode: bool = False, compute_dtype: torch.dtype = torch.float32):
+                 compile_decode: bool = False, compute_dtype: torch.dtype = torch.float32, prepack: bool = True):
         if kv_cache not in ("auto", "dynamic"):
             raise ValueError(f"kv_cache must be 'auto' or 'dynamic', got {kv_cache!r}")
         if not 0.0 <= compact_below <= 1.0:
@@ -351,6 +355,9 @@ class TorchGenerationBackend:
         self.sampled_ids = decodable_ids(tokenizer) if tokenizer is not None else None
         # other than float32: every forward under torch.autocast in this dtype (mixed precision; the cache holds it)
         self.compute_dtype = compute_dtype
+        # on a CPU in float32: the linear layers through weights prepacked for oneDNN during each generation
+        # (serving.prepack; the policy's weights change between generations, never within one)
+        self.prepack = prepack and can_prepack(device, compute_dtype)
         # the decode step through torch.compile on the pre-allocated cache, for batches of 2 rows or more (dynamo
         # compiles a dimension of size 1 apart: a lone row runs eager); prefill and DynamicCache stay eager
         self.compiled_step = None
@@ -403,7 +410,8 @@ class TorchGenerationBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with computing_in(self.device, self.compute_dtype):
+            packed = prepacked_linears(self.model, b) if self.prepack else contextlib.nullcontext()
+            with computing_in(self.device, self.compute_dtype), packed:
                 cache = None
                 if self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:
                     cache = preallocated_cache_for(self.model, p_max + params.max_new_tokens)

@@ -105,7 +105,7 @@ class PPOTrainer:
                                       self.device, dtype)
         # made before the servers are waited for, so policy.generation.compile without a compiler is refused at once
         backend = TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
-                                         compile_decode=gen.compile, compute_dtype=dtype)
+                                         compile_decode=gen.compile, compute_dtype=dtype, prepack=gen.prepack_weights)
         if not p.async_grpo.enabled:  # compiled now, while the servers may still be starting (the async worker's
             backend.warm_up()         # own backend compiles on its first rollout, in its thread)
         if pol.compile:  # likewise the training and log-prob passes, so the first step runs at full speed

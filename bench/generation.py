@@ -1,7 +1,7 @@
 """Rollout generation speed: the actor's PyTorch backend (`actor.generation.TorchGenerationBackend`) against
 transformers' `generate()` on the same model, batch and sampling, in alternating rounds.
 
-    python -m bench.generation [--rounds 3] [--settings fixed,eos] [--compile] [--quick] [--profile]
+    python -m bench.generation [--rounds 3] [--settings fixed,eos] [--compile] [--no-prepack] [--quick] [--profile]
         [--device cpu|cuda] [--precision float32|bfloat16]
 
 The model is a Llama built locally from a fixed seed (no downloads): hidden 256, 6 layers, 8 heads, intermediate
@@ -198,11 +198,12 @@ def _timed(fn) -> float:
 
 def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float,
                   compile_decode: bool = False, device: str = "cpu", precision: str = "float32",
-                  profile: bool = False) -> list[float]:
+                  profile: bool = False, prepack: bool = True) -> list[float]:
     eos = None if name == "fixed" else EOS
     dev = resolve_device(device)  # as the actor's: on CUDA, SDPA's cuDNN backend off (both sides)
     model = build_model(size, eos_bias if eos is not None else 0.0).to(dev, getattr(torch, precision))
-    backend = TorchGenerationBackend(model, PAD, dev, compact_below=compact_below, compile_decode=compile_decode)
+    backend = TorchGenerationBackend(model, PAD, dev, compact_below=compact_below, compile_decode=compile_decode,
+                                     prepack=prepack)
     prompts = torch.randint(3, size.vocab, (size.batch, size.prompt_len), generator=torch.Generator().manual_seed(1))
     prompts = prompts.to(dev)
     n = size.max_new_tokens
@@ -212,7 +213,8 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
     stop = f"stop at EOS (EOS logit bias {eos_bias:g})" if eos is not None else "no stop token"
     print(f"\n{name}: batch {size.batch}, prompts {size.prompt_len}, max_new_tokens {n}, {stop}; "
           f"ours on the {backend.last_stats.cache} KV cache, compact_below {compact_below:g}"
-          f"{', decode step compiled' if compile_decode else ''}; {precision} on {device}")
+          f"{', decode step compiled' if compile_decode else ''}"
+          f"{', weights prepacked (oneDNN)' if backend.prepack else ''}; {precision} on {device}")
     print(f"{'round':>5}  {'ours tok/s':>10}  {'mean len':>8}  {'hf tok/s':>10}  {'mean len':>8}  {'ratio':>6}  load")
     ours_tps, hf_tps, ratios = [], [], []
     before = replace(backend.totals)
@@ -242,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="ours with the decode step compiled "
                         "(TorchGenerationBackend(compile_decode=True), policy.generation.compile); the untimed warm-up "
                         "run compiles it")
+    parser.add_argument("--no-prepack", action="store_true", help="ours without prepacked weights "
+                        "(TorchGenerationBackend(prepack=False), policy.generation.prepack_weights=false)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch, one round: checks the bench runs")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides' device")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
@@ -258,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ("fixed", "eos"):
             parser.error(f"unknown setting {name!r}")
         medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below,
-                                                        args.compile, args.device, args.precision, args.profile))
+                                                        args.compile, args.device, args.precision, args.profile,
+                                                        not args.no_prepack))
     print("\nmedian speed-up (ours / transformers tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
     return 0
 

@@ -27,6 +27,7 @@ from actor.generation import (
     TorchGenerationBackend,
     concat_rollouts,
 )
+from serving.prepack import can_prepack, prepacked_linears
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +186,44 @@ def test_preallocated_and_dynamic_caches_agree():
         assert torch.equal(x.tokens, y.tokens) and torch.equal(x.logprobs, y.logprobs)
         for resp, ended in zip(responses(x), x.ended.tolist()):
             assert ended == (resp[-1] in (2, 5)) and not set(resp[:-1]) & {2, 5}
+
+
+def test_linear_layers_on_prepacked_weights_compute_as_the_plain_ones_and_are_restored_after():
+    """serving.prepack: within the block every torch.nn.Linear (with a bias or without, inputs of any row count)
+    computes through its prepacked weight as the plain layer does; after it, and after an error inside it, the
+    layers are the plain ones again."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))
+    inputs = [torch.randn(1, 16), torch.randn(64, 16), torch.randn(3, 1, 16), torch.randn(700, 16)]
+    with torch.no_grad():
+        want = [net(x) for x in inputs]
+        with prepacked_linears(net, rows=64) as n:
+            assert n == 2 and all("forward" in m.__dict__ for m in (net[0], net[2]))
+            for x, w in zip(inputs, want):
+                torch.testing.assert_close(net(x), w, rtol=1e-5, atol=1e-5)
+        assert not any("forward" in m.__dict__ for m in net)
+        with pytest.raises(RuntimeError, match="inside"), prepacked_linears(net, rows=8):
+            raise RuntimeError("inside")
+        assert not any("forward" in m.__dict__ for m in net)
+    assert can_prepack(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
+    assert not can_prepack(torch.device("cpu"), torch.bfloat16) and not can_prepack(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_generation_on_prepacked_weights_samples_as_on_the_plain_ones(kind):
+    """policy.generation.prepack_weights (on by default): the same tokens, greedy and sampled, and log-probs to float
+    rounding as without it, on a Llama (every projection an nn.Linear) and on GPT-2 (Conv1D projections: only its
+    LM head is packed); the policy's layers are the plain ones after each generation."""
+    model, prompts = tiny_model(kind), tiny_prompts()
+    packed = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
+    plain = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0, prepack=False)
+    assert packed.prepack and not plain.prepack
+    for i, params in enumerate((SamplingParams(20, temperature=0.0, stop_token_ids=(2,)),
+                                SamplingParams(16, temperature=1.0, top_k=10, stop_token_ids=(2,)))):
+        a, b = packed.generate(prompts, params, seed=i), plain.generate(prompts, params, seed=i)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), i
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 @pytest.mark.parametrize("warm_up", [False, True], ids=["compiled-at-first-call", "compiled-at-warm-up"])

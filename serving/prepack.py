@@ -1,0 +1,67 @@
+"""Linear layers through weights prepacked for oneDNN, on the CPU in float32.
+
+A CPU matmul of few rows (a decode step's, one token per row) spends much of its time packing the weight into the
+layout the GEMM kernel reads, again at every call; inductor packs weights once when it freezes a graph, which
+needs weights that never change. `prepacked_linears(model, rows)` packs the weight of every `torch.nn.Linear` of
+`model` once, for the duration of a `with` block (a generation, between two policy updates), and routes the
+layers' forwards through the packed copies; on leaving, the layers are as they were and the copies are freed.
+
+The packed layers call `ppo_services::prepacked_linear`, an op of this module over oneDNN's
+`mkldnn::_linear_pointwise`, so that torch.compile keeps it as one opaque call: inductor lowers
+`mkldnn::_linear_pointwise` itself only for weights that are constants of a frozen graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_LIB = torch.library.Library("ppo_services", "DEF")
+_LIB.define("prepacked_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
+
+
+def _prepacked_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+# CompositeExplicitAutograd: the packed weight is an MkldnnCPU tensor, so a "CPU" kernel would not be found
+_LIB.impl("prepacked_linear", _prepacked_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ppo_services::prepacked_linear")
+def _prepacked_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether passes on `device` computing in `dtype` can use prepacked weights: float32 on a CPU with oneDNN."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+@contextlib.contextmanager
+def prepacked_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
+    """Within the block, every `torch.nn.Linear` of `model` (the class itself, not subclasses such as adapters'
+    wrappers, whose inner Linear is packed instead) with a float32 CPU weight computes through a copy of its weight
+    packed for `rows` rows of input (any row count works; `rows` tunes the layout). Yields how many layers were
+    packed. Call it without grad: the packed op has no backward. The packed copies hold one more copy of those
+    weights until the block ends; weights changed within the block would not be seen."""
+    packed: list[torch.nn.Module] = []
+    try:
+        for module in model.modules():
+            w = module.weight if type(module) is torch.nn.Linear else None
+            if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or "forward" in module.__dict__:
+                continue
+            weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+            bias = None if module.bias is None else module.bias.detach()
+
+            def forward(x: torch.Tensor, weight: torch.Tensor = weight, bias: torch.Tensor | None = bias) -> torch.Tensor:
+                return torch.ops.ppo_services.prepacked_linear(x, weight, bias)
+
+            module.forward = forward
+            packed.append(module)
+        yield len(packed)
+    finally:
+        for module in packed:
+            del module.forward
