@@ -153,7 +153,8 @@ def test_the_worker_receives_only_the_trained_parameters_and_loads_them_by_name(
     policy = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                                           num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))
     freeze_lower_layers(policy, 1)
-    collector = SimpleNamespace(backend=SimpleNamespace(tokenizer=None, compute_dtype=torch.float32), generate_rows=None)
+    collector = SimpleNamespace(backend=SimpleNamespace(tokenizer=None, compute_dtype=torch.float32, prepack=True),
+                                generate_rows=None)
     rollouts = AsyncRollouts(collector, None, SamplingParams(4), ActorConfig().ppo, policy, 0, torch.device("cpu"), 8,
                              Timers())
     published = []
