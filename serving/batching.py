@@ -5,8 +5,9 @@ batching), up to `max_batch_size` rows: what queued while the model was busy, an
 that are known to be calling. Clients that wait for each reply before they send again come back a few
 milliseconds after it, so a batch waits up to `max_queue_delay` while it holds fewer requests than were in
 the worker at once since the method's last batch, and closes as soon as they are in; a lone caller never
-waits, and a caller that stopped is waited for once. Exclusive work (a training step, a save) runs alone, so a Train that arrived before
-an Infer is applied before that Infer runs. A bounded queue gives backpressure (Overloaded).
+waits, and a caller that stopped is waited for once. Exclusive work (a training step, a save) runs alone,
+so a Train that arrived before an Infer is applied before that Infer runs. A bounded queue gives
+backpressure (Overloaded).
 """
 
 from __future__ import annotations

@@ -56,7 +56,9 @@ def prepacked_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
             weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
             bias = None if module.bias is None else module.bias.detach()
 
-            def forward(x: torch.Tensor, weight: torch.Tensor = weight, bias: torch.Tensor | None = bias) -> torch.Tensor:
+            # weight and bias keyword-only: a caller's stray positional argument fails instead of replacing them
+            def forward(x: torch.Tensor, *, weight: torch.Tensor = weight,
+                        bias: torch.Tensor | None = bias) -> torch.Tensor:
                 return torch.ops.ppo_services.prepacked_linear(x, weight, bias)
 
             module.forward = forward
