@@ -19,9 +19,9 @@ codec's speed, and what dynamic batching gains, measured on this machine in one 
 3. Dynamic batching. 8 client threads, each with a CriticClient of its own, send Infer requests back to back for
    --seconds to the server above (default batching, or batching.max_queue_delay_ms=MS with --queue-delay-ms) and to
    one started with batching.max_batch_size=1 (one request per forward pass: batching off); rounds alternate. Each
-   round also gives the CPU time a request took in the server process and in this one (the clients). Target: median throughput ratio >= 3. Two workloads: requests
-   of 1 row x 272 tokens (the issue's example) and of 1 x 16 (small enough that per-pass overhead, which is what
-   batching saves, dominates). Each comes with the most batching could gain on it, measured in process: 8 forward
+   round also gives the CPU time a request took in the server process and in this one (the clients). Target: median
+   throughput ratio >= 3. Two workloads: requests of 1 row x 272 tokens (the issue's example) and of 1 x 16 (small
+   enough that per-pass overhead, which is what batching saves, dominates). Each comes with the most batching could gain on it, measured in process: 8 forward
    passes of one request against 8 rows in the server's passes (8 x 272 tokens are two: 7 rows and 1); a gain
    below 3x there cannot reach the target.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -42,7 +41,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +52,7 @@ from ppo_services.v1 import common_pb2
 from serving.codec import decode, encode, retain_freed_memory
 from serving.modeling import by_length, load_scalar_head_model, per_token_scores
 from serving.server_config import BatchingConfig
-from tests.service_procs import ServiceProcess
+from tests.service_procs import ServiceProcess, histogram_stats
 
 THREADS = 2  # torch threads, in this process and on each server (num_threads)
 CLIENTS = 8
@@ -131,11 +129,9 @@ def codec_rate(shape: tuple[int, ...], seconds: float) -> tuple[float, int]:
 
 
 # --- 1. remote vs in process ----------------------------------------------------------------------------------
-def infer_metric(server: ServiceProcess, name: str) -> float:
-    """A sample of the server's Infer metrics, e.g. `batch_size_sum` (rows run so far), from its /metrics."""
-    text = httpx.get(f"{server.http}/metrics", timeout=10).text
-    m = re.search(rf'^ppo_critic_{name}{{method="Infer"}} (\S+)$', text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+def server_compute_seconds(server: ServiceProcess) -> float:
+    """Seconds the server's model thread has spent on Infer batches so far, from its /metrics."""
+    return histogram_stats(server, "ppo_critic_compute_duration_seconds", "Infer")[1]
 
 
 SERVER_PASSES = BatchingConfig()  # how the critic server (default batching) cuts a batch into forward passes
@@ -160,7 +156,8 @@ def infer_seconds(client: CriticClient, tokens: torch.Tensor, lengths: torch.Ten
 # --- 3. batching ------------------------------------------------------------------------------------------------
 def batch_stats(server: ServiceProcess) -> tuple[float, float]:
     """(rows, batches) the server's model worker has run for Infer so far."""
-    return infer_metric(server, "batch_size_sum"), infer_metric(server, "batch_size_count")
+    batches, rows = histogram_stats(server, "ppo_critic_batch_size", "Infer")
+    return rows, batches
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -241,8 +238,8 @@ def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple
         for r in range(rounds):
             for p in (on, off):
                 runs[p].append(throughput(p, clients[p], single, seconds))
-            gains.append(runs[on][-1].rate / runs[off][-1].rate)
             a, b = runs[on][-1], runs[off][-1]
+            gains.append(a.rate / b.rate)
             print(f"  round {r + 1}: on {a.rate:7.1f} req/s ({a.rows_per_batch:.1f} rows per batch; CPU a request: "
                   f"server {a.server_cpu * 1000:.2f} ms, clients {a.client_cpu * 1000:.2f} ms), off {b.rate:7.1f} req/s "
                   f"(server {b.server_cpu * 1000:.2f} ms, clients {b.client_cpu * 1000:.2f} ms), gain {gains[-1]:.2f}x",
@@ -344,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
             max_diff = 0.0
             for r in range(rounds):
                 t_local, v_local = forward_seconds(model, tokens, lengths)
-                computed = infer_metric(on, "compute_duration_seconds_sum")
+                computed = server_compute_seconds(on)
                 t_remote, v_remote = infer_seconds(client, tokens, lengths)
-                t_server = infer_metric(on, "compute_duration_seconds_sum") - computed  # its model thread's time
+                t_server = server_compute_seconds(on) - computed  # its model thread's time
                 max_diff = max(max_diff, float((v_local - v_remote).abs().max()))
                 local_times.append(t_local)
                 remote_times.append(t_remote)

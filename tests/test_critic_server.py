@@ -139,11 +139,11 @@ def test_concurrent_infers_are_merged_and_each_gets_its_own_rows(critic, stub):
                                            queued_before, strict=True))
     # Each waited the whole 200 ms window before; now at most the first waits it, for callers of an earlier test.
     assert count == len(requests) and waited < 0.5, f"{count} lone calls waited {waited:.3f} s in all"
-    before = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}')
+    before = histogram_stats(critic, "ppo_critic_batch_size", "Infer")[0]
     calls = [stub.Infer.future(critic_pb2.InferRequest(tokens=encode(t), lengths=encode(n)), timeout=60)
              for t, n in requests]  # sent within a few milliseconds: those behind the first run merged
     got = [decode(c.result().values, "values") for c in calls]
-    batches = _metric(critic, r'ppo_critic_batch_size_count\{method="Infer"\}') - before
+    batches = histogram_stats(critic, "ppo_critic_batch_size", "Infer")[0] - before
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
     assert batches < len(requests), f"{len(requests)} concurrent requests ran as {batches} batches"
