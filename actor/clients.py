@@ -38,6 +38,15 @@ class IncompatibleServer(RuntimeError):
     """A server runs a model the actor cannot work with (different vocabulary, too short context)."""
 
 
+# While a server is away, a call is retried after 0.5, 1, 2, 2, ... s, and the channel tries to reconnect as often
+# (gRPC's own reconnect backoff grows to 120 s): a restarted server is found within about 2 s of its return, for one
+# connection attempt every 2 s while it is away.
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 2.0
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", int(RETRY_FIRST_S * 1000)),
+                     ("grpc.min_reconnect_backoff_ms", int(RETRY_FIRST_S * 1000)),
+                     ("grpc.max_reconnect_backoff_ms", int(RETRY_MAX_S * 1000))]
+
+
 class Pending(Generic[T]):
     """A call in flight; result() waits for it and converts the reply. A call started by `start` (an idempotent
     gRPC call) is started again, with exponential backoff, while the server answers UNAVAILABLE (restarting,
@@ -53,7 +62,7 @@ class Pending(Generic[T]):
         return self._call.done()
 
     def result(self) -> T:
-        outage_since, delay = None, 0.5
+        outage_since, delay = None, RETRY_FIRST_S
         while True:
             try:
                 return self._convert(self._call.result())
@@ -69,7 +78,7 @@ class Pending(Generic[T]):
                 log.warning("%s: the server is unavailable (%s); retrying in %.1f s", self._what,
                             unreachable_reason(e), delay)
                 time.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, RETRY_MAX_S)
                 self._call = self._start()
 
     def then(self, convert: Callable[[T], Any]) -> Mapped:
@@ -100,7 +109,7 @@ class Mapped(Generic[T]):
 def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
     """A channel to the server (TLS when a CA or client certificate is configured; the bearer token on every
     call). It connects lazily: `wait_for_info` waits for the server and says why it cannot reach it."""
-    options = grpc_options(cfg.max_message_mb)
+    options = grpc_options(cfg.max_message_mb) + RECONNECT_OPTIONS
     if cfg.tls_ca_file or cfg.tls_cert_file:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=read_pem(cfg.tls_ca_file, f"{name}.tls_ca_file"),

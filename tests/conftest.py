@@ -16,11 +16,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Seconds each test file took in `make test ARGS=--durations=0` (2 workers, the durations of its tests summed), by which
 # the files are scheduled; a file not listed counts as short. Only the order of the files depends on these.
-FILE_SECONDS = {"test_algorithm_runs.py": 239, "test_critic_server.py": 173, "test_compile.py": 139,
-                "test_model_features.py": 138, "test_reward_server.py": 121, "test_faults.py": 118,
-                "test_end_to_end.py": 76, "test_security.py": 69, "test_async.py": 59, "test_bench_trl.py": 51,
-                "test_embedded.py": 46, "test_generation.py": 34, "test_demo.py": 24, "test_bench_service_split.py": 21,
-                "test_multiturn.py": 20, "test_fuzz.py": 18}
+FILE_SECONDS = {"test_algorithm_runs.py": 307, "test_critic_server.py": 210, "test_model_features.py": 209,
+                "test_compile.py": 145, "test_faults.py": 137, "test_reward_server.py": 109, "test_end_to_end.py": 88,
+                "test_security.py": 74, "test_async.py": 61, "test_bench_trl.py": 60, "test_generation.py": 38,
+                "test_demo.py": 29, "test_multiturn.py": 26, "test_fuzz.py": 25, "test_bench_service_split.py": 22,
+                "test_embedded.py": 14}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,11 +10,14 @@ after.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from actor.clients import CriticClient
 from actor.config import RemoteConfig
+from actor.demo import wait_ready
 from tests.service_procs import ServiceProcess
 from tests.test_algorithm_runs import SMALL, metrics, run_actor
 
@@ -28,20 +31,27 @@ COMPARED = ("train_rollouts/rewards", "train_rollouts/values_mean", "train_rollo
 
 def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
     flag = f"compile={str(compile_).lower()}"
-    # not waited for: compiled servers compile at load while the actor starts, and the actor waits for them
     servers = [ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / f"{name}-critic"), "resume=never", flag,
                               log_dir=log_dir, env={"TORCH_LOGS": "recompiles"}),
                ServiceProcess("reward", flag, log_dir=log_dir, env={"TORCH_LOGS": "recompiles"})]
     try:
-        critic, reward = (s.start(wait=False) for s in servers)
-        # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
-        # generation on 2 threads, the passes beside the servers' on 1: compiled kernels are built for a thread count,
-        # so the actor's start-up compile must use each pass's own
-        run = run_actor("ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2", "num_threads=2",
-                        "num_threads_shared=1", "policy.generation.reuse_logprobs=true",
-                        f"policy.generation.compile={str(compile_).lower()}", f"policy.compile={str(compile_).lower()}",
-                        f"critic.address={critic.address}", f"reward.address={reward.address}", timeout=600,
-                        env={"TORCH_LOGS": "recompiles"})
+        # The reward server starts once the critic is ready: its compiled Score pass is the critic's Infer pass on
+        # the same model, so it finds most of its kernels in inductor's on-disk cache (about half its compile
+        # time). The actor starts at once and compiles meanwhile; it waits for both servers.
+        critic, reward = servers[0].start(wait=False), servers[1]
+        with ThreadPoolExecutor(1) as pool:
+            # the policy's log-probs are generation's: its no-grad pass is the reference's, compiled once
+            # generation on 2 threads, the passes beside the servers' on 1: compiled kernels are built for a thread
+            # count, so the actor's start-up compile must use each pass's own
+            running = pool.submit(
+                run_actor, "ppo", tmp_path / name, *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2", "num_threads=2",
+                "num_threads_shared=1", "policy.generation.reuse_logprobs=true",
+                f"policy.generation.compile={str(compile_).lower()}", f"policy.compile={str(compile_).lower()}",
+                f"critic.address={critic.address}", f"reward.address={reward.address}", timeout=600,
+                env={"TORCH_LOGS": "recompiles"})
+            wait_ready(critic.proc, f"{critic.http}/ready", 600, False)
+            reward.start(wait=False)
+            run = running.result()
         assert run.returncode == 0, run.stderr[-3000:]
         assert ("decode step compiled in" in run.stderr) == compile_, run.stderr[-3000:]
         # the actor compiles its training and log-prob passes at start, too: its steps compile nothing more
