@@ -6,6 +6,7 @@ import logging
 import sys
 
 from serving.config import parse_cli
+from serving.startup import imports_without_gc
 
 from .config import ActorConfig
 
@@ -21,22 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_cli(ActorConfig, argv, "PPO actor: trains the policy against remote critic and reward servers.", FLAGS)
     # torch and transformers only now: a config error above exits at once, not after seconds of imports
-    import transformers
+    with imports_without_gc():
+        import transformers
 
-    from serving.codec import retain_freed_memory
-    from serving.modeling import CompileUnavailable
-    from serving.rest import PortTaken
-    from serving.security import SecurityError
+        from serving.codec import retain_freed_memory
+        from serving.modeling import CompileUnavailable
+        from serving.rest import PortTaken
+        from serving.security import SecurityError
 
-    from .advantages import MissingRewardComponents
-    from .async_rollouts import RolloutWorkerError
-    from .checkpoints import ResumeError
-    from .clients import IncompatibleServer, RemoteError
-    from .data import DataError
-    from .environments import BadEnvironment
-    from .models import ModelSetupError
-    from .rollouts import DynamicSamplingError
-    from .trainer import PPOTrainer
+        from .advantages import MissingRewardComponents
+        from .async_rollouts import RolloutWorkerError
+        from .checkpoints import ResumeError
+        from .clients import IncompatibleServer, RemoteError
+        from .data import DataError
+        from .environments import BadEnvironment
+        from .models import ModelSetupError
+        from .rollouts import DynamicSamplingError
+        from .trainer import PPOTrainer
 
     transformers.utils.logging.disable_progress_bar()
     retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)

@@ -2,6 +2,7 @@
 
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
+from serving.startup import imports_without_gc
 
 from .config import CriticConfig
 
@@ -19,9 +20,10 @@ FLAGS = {
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS, SECURITY_SWITCHES)
-    from serving.server import run_service  # torch and transformers load only after the config is valid
+    with imports_without_gc():  # torch and transformers load only after the config is valid
+        from serving.server import run_service
 
-    from .servicer import CriticService
+        from .servicer import CriticService
 
     run_service(CriticService(cfg))
 

@@ -2,6 +2,7 @@
 
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
+from serving.startup import imports_without_gc
 
 from .config import RewardConfig
 from .scorers import SCORERS
@@ -20,9 +21,10 @@ FLAGS = {
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_cli(RewardConfig, argv, "PPO reward server (rewards over gRPC and POST /get_reward).", FLAGS,
                     SECURITY_SWITCHES)
-    from serving.server import run_service  # torch and transformers load only after the config is valid
+    with imports_without_gc():  # torch and transformers load only after the config is valid
+        from serving.server import run_service
 
-    from .servicer import RewardService
+        from .servicer import RewardService
 
     run_service(RewardService(cfg))
 
