@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from serving.modeling import (
     pad_and_stack,
     torch_threads,
 )
+from serving.prepack import prepacked_linears
 
 from .clients import CriticClient, OpenRLHFRewardClient, Pending, RewardClient, Scores, label_text
 from .data import Prompt, PromptSampler
@@ -176,7 +178,7 @@ class RolloutCollector:
     def __init__(self, *, policy: PreTrainedModel, reference: Reference | None, backend: GenerationBackend,
                  critic: CriticClient | None, score: ScoreFn | None, pad_id: int, device: torch.device,
                  generation_batch_size: int, logprob_batch_size: int, timers: Timers, reuse_logprobs: bool = False,
-                 shared_threads: int = 0, logits: ModelPass = causal_lm_logits):
+                 shared_threads: int = 0, logits: ModelPass = causal_lm_logits, prepack: bool = False):
         self.policy, self.reference, self.backend = policy, reference, backend
         self.critic, self.score = critic, score  # score None: rewards come with the critic's values (combined)
         self.pad_id, self.device = pad_id, device
@@ -185,6 +187,7 @@ class RolloutCollector:
         self.shared_threads = shared_threads  # torch threads while the servers answer this batch's requests
         self.reuse_logprobs = reuse_logprobs  # the policy's log-probs are generation's (the backend samples the policy)
         self.logits = logits  # causal_lm_logits, or its compiled form (policy.compile)
+        self.prepack = prepack  # the log-prob passes through weights prepacked for oneDNN (serving.prepack)
         self.next_group = 0  # group ids stay unique across steps (and across a resume)
 
     def logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -195,7 +198,8 @@ class RolloutCollector:
             lp = logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:])
             return lp * attention_mask_from_lengths(n - 1, lp.shape[1])
 
-        with torch.no_grad():
+        rows = min(self.logprob_batch_size, len(lengths)) * int(lengths.max())
+        with torch.no_grad(), prepacked_linears(model, rows) if self.prepack else nullcontext():
             return by_length(pass_, tokens, lengths, self.logprob_batch_size, self.device)
 
     def generate_rows(self, prompts: list[Prompt], params: SamplingParams, seed: int) -> Rollout:

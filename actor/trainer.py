@@ -44,6 +44,7 @@ from serving.modeling import (
     torch_threads,
     warm_up,
 )
+from serving.prepack import can_prepack
 from serving.rest import add_ops_routes, start_ops_thread
 
 from . import checkpoints
@@ -144,7 +145,9 @@ class PPOTrainer:
             backend=backend,
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
-            reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits)
+            reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits,
+            # eager log-prob passes only: a compiled pass's graph was built over the unpacked layers
+            prepack=gen.prepack_weights and not pol.compile and can_prepack(self.device, dtype))
         self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
                                        self.device, pol.generation_batch_size, self.timers, gen.compile)
                          if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))

@@ -66,13 +66,17 @@ def test_a_token_budget_cuts_long_rows_few_to_a_pass_and_short_ones_many():
     assert [len(b) for b in length_buckets(lengths, 8, max_tokens=0)] == [8]  # 0: rows only
 
 
-def test_bucketed_log_probs_equal_the_padded_ones(policy):
+@pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
+def test_bucketed_log_probs_equal_the_padded_ones(policy, prepack):
+    """Also through weights prepacked for oneDNN (policy.generation.prepack_weights with eager passes), which the
+    layers give back after the passes."""
     model, tok = policy
     tokens, lengths = ragged_batch(len(tok))
     collector = RolloutCollector(policy=model, reference=None, backend=None, critic=None, score=None, pad_id=0,
                                  device=torch.device("cpu"), generation_batch_size=4, logprob_batch_size=3,
-                                 timers=Timers())
+                                 timers=Timers(), prepack=prepack)
     bucketed = collector.logprobs(model, tokens, lengths)
+    assert not any("forward" in m.__dict__ for m in model.modules())
     padded = padded_logprobs(model, tokens, lengths)
     valid = valid_actions(tokens, lengths)
     assert bucketed.shape == padded.shape
