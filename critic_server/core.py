@@ -15,6 +15,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
+from serving.prepack import can_prepack, prepacked_linears
 from serving.validation import check_lengths, check_per_action, check_tokens
 
 from .config import CriticConfig
@@ -128,6 +130,10 @@ class CriticCore:
             self.model.config.normalize_reward = self.normalize_values != RewardNormalization()
         self.scores = mixed_precision(compiled(per_token_scores, cfg.compile, "compile", self.device), self.device,
                                       TORCH_DTYPES[cfg.dtype])
+        # Infer's eager passes through prepacked weights (serving.prepack); a compiled pass keeps its own graph
+        self.prepack = cfg.prepack_weights and not cfg.compile and can_prepack(self.device, TORCH_DTYPES[cfg.dtype])
+        if self.prepack:
+            log.info("prepack_weights=true: Infer passes compute through linear weights prepacked for oneDNN")
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)
@@ -193,15 +199,22 @@ class CriticCore:
         each trimmed to its longest row (padding positions are 0 either way)."""
         tokens = pad_and_stack([t for t, _ in requests])
         lengths = torch.cat([n for _, n in requests])
-        values = self._in_passes(self.values, tokens, lengths)
+        with self.packed(self.model):
+            values = self._in_passes(self.values, tokens, lengths)
         rewards = None
         if self.reward_model is not None:
-            rewards = self.normalize_reward(self._in_passes(
-                lambda t, n: last_token_scores(self.scores(self.reward_model, t, n), n), tokens, lengths))
+            with self.packed(self.reward_model):
+                rewards = self.normalize_reward(self._in_passes(
+                    lambda t, n: last_token_scores(self.scores(self.reward_model, t, n), n), tokens, lengths))
         rows = [t.shape[0] for t, _ in requests]
         value_parts = values.split(rows)
         reward_parts = rewards.split(rows) if rewards is not None else [None] * len(rows)
         return [(v[:, :t.shape[1]], r) for (t, _), v, r in zip(requests, value_parts, reward_parts, strict=True)]
+
+    def packed(self, model: torch.nn.Module) -> AbstractContextManager:
+        """`model`'s linear layers through weights prepacked for one pass's worth of rows (prepack_weights), or as
+        they are."""
+        return prepacked_linears(model, self.cfg.batching.max_tokens_per_pass) if self.prepack else nullcontext()
 
     def _in_passes(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor,
                    lengths: torch.Tensor) -> torch.Tensor:

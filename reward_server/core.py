@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
+from serving.prepack import can_prepack, prepacked_linears
 from serving.validation import check_int_vector, check_lengths, check_tokens
 
 from .config import RewardConfig
@@ -72,6 +74,7 @@ class RewardCore:
         self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
         self.device = resolve_device(cfg.device)
         self.model = None
+        self.prepack = False  # Score's passes through prepacked weights (load() decides)
         self.encoder = False  # an encoder scoring (prompt, response) pairs with its own head, not a decoder's last token
         # Rule scorers whose results are returned as components: the scorer itself, then the extra ones.
         self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
@@ -103,6 +106,10 @@ class RewardCore:
                            else at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device)))
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
+            # Score's eager passes through prepacked weights (serving.prepack); a compiled pass keeps its own graph
+            self.prepack = cfg.prepack_weights and not cfg.compile and can_prepack(self.device, TORCH_DTYPES[cfg.dtype])
+            if self.prepack:
+                log.info("prepack_weights=true: Score passes compute through linear weights prepacked for oneDNN")
             if cfg.compile:  # compiled now, before ready, not at the first Score
                 log.info("compile=true: Score pass compiled in %.1f s", warm_up(self.scores, [self.model], self.device))
         else:
@@ -314,9 +321,10 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
-                            self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass,
-                            observe=functools.partial(self.observe_pass, "Score"))
+        with prepacked_linears(self.model, self.cfg.batching.max_tokens_per_pass) if self.prepack else nullcontext():
+            rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
+                                self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass,
+                                observe=functools.partial(self.observe_pass, "Score"))
         rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))
 

@@ -54,5 +54,11 @@ class ServerConfig(SecurityConfig):
                           "seconds on a CPU); on a CPU a Train micro-batch of over 4096 tokens compiles once more when "
                           "it first comes. On the CPU it needs a C++ compiler (g++ or "
                           "clang++), checked at start. Results equal eager ones up to float reduction order.")
+    prepack_weights: bool = Field(True, description="On a CPU in float32 with compile off, every torch.nn.Linear of "
+                                  "the model computes each Infer or Score batch (the critic's combined reward model "
+                                  "too) through a copy of its weight prepacked for oneDNN, made when the batch starts "
+                                  "and freed when it ends (one more copy of those weights meanwhile; false saves that "
+                                  "memory); Train computes on the weights themselves. Results equal unpacked ones up "
+                                  "to float rounding.")
     trust_remote_code: bool = Field(False, description="Let transformers run the model code a checkpoint ships (the auto_map of its config.json) for the model and tokenizer: only for checkpoints you trust. The critic copies those code files into its checkpoints.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig)

@@ -89,7 +89,7 @@ def test_info_describes_the_embedded_critic(stub, embedded_assets):
     assert info.max_length >= 32 and not info.serves_rewards and info.max_batch_size == 64
 
 
-def test_infer_matches_the_same_weights_in_process(stub, embedded_assets):
+def test_infer_matches_the_same_weights_in_process(critic, stub, embedded_assets):
     tokens, lengths = batch(0)
     remote = infer(stub, tokens, lengths)
     model = load_scalar_head_model(str(embedded_assets.reward_model)).eval()
@@ -97,6 +97,8 @@ def test_infer_matches_the_same_weights_in_process(stub, embedded_assets):
         local = per_token_scores(model, tokens, lengths)
     assert remote.shape == tokens.shape and remote.dtype == torch.float32
     torch.testing.assert_close(remote, local, atol=1e-5, rtol=1e-5)
+    # on a CPU in float32, eager: through prepacked weights (prepack_weights, the default), Train on the weights
+    assert "Infer passes compute through linear weights prepacked for oneDNN" in critic.log()
     assert (remote[1, lengths[1]:] == 0).all()  # padding positions are zero
 
 

@@ -178,6 +178,8 @@ def test_score_tokens_matches_in_process_model(server, stub, tokenizer, referenc
     assert rewards.dtype == torch.float32 and rewards.shape == (6,)
     expected = expected_rewards(reference_model, tokenizer, samples)
     torch.testing.assert_close(rewards, expected, atol=1e-5, rtol=0)
+    # on a CPU in float32, eager: the pass computed through prepacked weights (prepack_weights, the default)
+    assert "Score passes compute through linear weights prepacked for oneDNN" in server.log()
     # The ground truth rides along as a component, computed on the response part only.
     assert set(reply.components) == {"reward/positive_fraction"}
     torch.testing.assert_close(decode(reply.components["reward/positive_fraction"], "c"), truth(samples))
