@@ -7,7 +7,6 @@ will implement the same `GenerationBackend` protocol, plus `update_weights` for 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -410,7 +409,7 @@ class TorchGenerationBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            packed = prepacked_linears(self.model, b) if self.prepack else contextlib.nullcontext()
+            packed = prepacked_linears(self.model, b, enabled=self.prepack)
             with computing_in(self.device, self.compute_dtype), packed:
                 cache = None
                 if self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +198,7 @@ class RolloutCollector:
             return lp * attention_mask_from_lengths(n - 1, lp.shape[1])
 
         rows = min(self.logprob_batch_size, len(lengths)) * int(lengths.max())
-        with torch.no_grad(), prepacked_linears(model, rows) if self.prepack else nullcontext():
+        with torch.no_grad(), prepacked_linears(model, rows, enabled=self.prepack):
             return by_length(pass_, tokens, lengths, self.logprob_batch_size, self.device)
 
     def generate_rows(self, prompts: list[Prompt], params: SamplingParams, seed: int) -> Rollout:

@@ -15,7 +15,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,7 +214,7 @@ class CriticCore:
     def packed(self, model: torch.nn.Module) -> AbstractContextManager:
         """`model`'s linear layers through weights prepacked for one pass's worth of rows (prepack_weights), or as
         they are."""
-        return prepacked_linears(model, self.cfg.batching.max_tokens_per_pass) if self.prepack else nullcontext()
+        return prepacked_linears(model, self.cfg.batching.max_tokens_per_pass, enabled=self.prepack)
 
     def _in_passes(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor,
                    lengths: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -321,7 +320,7 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        with prepacked_linears(self.model, self.cfg.batching.max_tokens_per_pass) if self.prepack else nullcontext():
+        with prepacked_linears(self.model, self.cfg.batching.max_tokens_per_pass, enabled=self.prepack):
             rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
                                 self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass,
                                 observe=functools.partial(self.observe_pass, "Score"))

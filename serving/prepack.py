@@ -41,15 +41,16 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @contextlib.contextmanager
-def prepacked_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
+def prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> Iterator[int]:
     """Within the block, every `torch.nn.Linear` of `model` (the class itself, not subclasses such as adapters'
     wrappers, whose inner Linear is packed instead) with a float32 CPU weight computes through a copy of its weight
     packed for `rows` rows of input (any row count works; `rows` tunes the layout). Yields how many layers were
     packed. Call it without grad: the packed op has no backward. The packed copies hold one more copy of those
-    weights until the block ends; weights changed within the block would not be seen."""
+    weights until the block ends; weights changed within the block would not be seen. With `enabled` false the
+    block runs on the layers as they are (yields 0)."""
     packed: list[torch.nn.Module] = []
     try:
-        for module in model.modules():
+        for module in model.modules() if enabled else ():
             w = module.weight if type(module) is torch.nn.Linear else None
             if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or "forward" in module.__dict__:
                 continue

@@ -205,6 +205,8 @@ def test_linear_layers_on_prepacked_weights_compute_as_the_plain_ones_and_are_re
         with pytest.raises(RuntimeError, match="inside"), prepacked_linears(net, rows=8):
             raise RuntimeError("inside")
         assert not any("forward" in m.__dict__ for m in net)
+        with prepacked_linears(net, rows=64, enabled=False) as n:  # switched off: the layers as they are
+            assert n == 0 and not any("forward" in m.__dict__ for m in net)
     assert can_prepack(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
     assert not can_prepack(torch.device("cpu"), torch.bfloat16) and not can_prepack(torch.device("cuda"), torch.float32)
 
