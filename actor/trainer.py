@@ -44,7 +44,7 @@ from serving.modeling import (
     torch_threads,
     warm_up,
 )
-from serving.prepack import can_prepack
+from serving.prepack import prepacks_eager_passes
 from serving.rest import add_ops_routes, start_ops_thread
 
 from . import checkpoints
@@ -146,8 +146,8 @@ class PPOTrainer:
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits,
-            # eager log-prob passes only: a compiled pass's graph was built over the unpacked layers
-            prepack=gen.prepack_weights and not pol.compile and can_prepack(self.device, dtype))
+            prepack=prepacks_eager_passes("policy.generation.prepack_weights", gen.prepack_weights, pol.compile,
+                                          self.device, dtype, "the log-prob"))
         self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
                                        self.device, pol.generation_batch_size, self.timers, gen.compile)
                          if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))

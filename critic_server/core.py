@@ -46,7 +46,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
-from serving.prepack import can_prepack, prepacked_linears
+from serving.prepack import prepacked_linears, prepacks_eager_passes
 from serving.validation import check_lengths, check_per_action, check_tokens
 
 from .config import CriticConfig
@@ -130,10 +130,8 @@ class CriticCore:
             self.model.config.normalize_reward = self.normalize_values != RewardNormalization()
         self.scores = mixed_precision(compiled(per_token_scores, cfg.compile, "compile", self.device), self.device,
                                       TORCH_DTYPES[cfg.dtype])
-        # Infer's eager passes through prepacked weights (serving.prepack); a compiled pass keeps its own graph
-        self.prepack = cfg.prepack_weights and not cfg.compile and can_prepack(self.device, TORCH_DTYPES[cfg.dtype])
-        if self.prepack:
-            log.info("prepack_weights=true: Infer passes compute through linear weights prepacked for oneDNN")
+        self.prepack = prepacks_eager_passes("prepack_weights", cfg.prepack_weights, cfg.compile, self.device,
+                                             TORCH_DTYPES[cfg.dtype], "Infer")
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)

@@ -38,7 +38,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
-from serving.prepack import can_prepack, prepacked_linears
+from serving.prepack import prepacked_linears, prepacks_eager_passes
 from serving.validation import check_int_vector, check_lengths, check_tokens
 
 from .config import RewardConfig
@@ -105,10 +105,8 @@ class RewardCore:
                            else at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device)))
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
-            # Score's eager passes through prepacked weights (serving.prepack); a compiled pass keeps its own graph
-            self.prepack = cfg.prepack_weights and not cfg.compile and can_prepack(self.device, TORCH_DTYPES[cfg.dtype])
-            if self.prepack:
-                log.info("prepack_weights=true: Score passes compute through linear weights prepacked for oneDNN")
+            self.prepack = prepacks_eager_passes("prepack_weights", cfg.prepack_weights, cfg.compile, self.device,
+                                                 TORCH_DTYPES[cfg.dtype], "Score")
             if cfg.compile:  # compiled now, before ready, not at the first Score
                 log.info("compile=true: Score pass compiled in %.1f s", warm_up(self.scores, [self.model], self.device))
         else:

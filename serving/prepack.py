@@ -14,9 +14,12 @@ The packed layers call `ppo_services::prepacked_linear`, an op of this module ov
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _LIB = torch.library.Library("ppo_services", "DEF")
 _LIB.define("prepacked_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
@@ -38,6 +41,17 @@ def _prepacked_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor, bias: t
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether passes on `device` computing in `dtype` can use prepacked weights: float32 on a CPU with oneDNN."""
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def prepacks_eager_passes(key: str, enabled: bool, compile_: bool, device: torch.device, dtype: torch.dtype,
+                          passes: str) -> bool:
+    """Whether a service's eager `passes` (named for the log) compute through prepacked weights: its setting `key`
+    (`enabled`) on, compile off (a compiled pass keeps its own graph over the plain layers), and a device and dtype
+    that can (`can_prepack`). Logs it when they do."""
+    on = enabled and not compile_ and can_prepack(device, dtype)
+    if on:
+        log.info("%s=true: %s passes compute through linear weights prepacked for oneDNN", key, passes)
+    return on
 
 
 @contextlib.contextmanager

@@ -73,6 +73,8 @@ def test_actor_trains_two_steps_and_writes_metrics_and_checkpoints(servers, tmp_
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
     assert "samples before training" in out and "samples after training" in out
+    # eager float32 on a CPU: the reference's log-prob passes compute through prepacked weights, and say so
+    assert "policy.generation.prepack_weights=true: the log-prob passes compute through linear weights prepacked" in out
 
     meta = json.loads((run_dir / "checkpoints" / "step_2" / "checkpoint.json").read_text())
     actor = AutoModelForCausalLM.from_pretrained(meta["actor"])
