@@ -15,7 +15,6 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
-from serving.prepack import prepacked_linears, prepacks_eager_passes
+from serving.prepack import KeptPacking, prepacks_eager_passes
 from serving.validation import check_lengths, check_per_action, check_tokens
 
 from .config import CriticConfig
@@ -130,8 +129,10 @@ class CriticCore:
             self.model.config.normalize_reward = self.normalize_values != RewardNormalization()
         self.scores = mixed_precision(compiled(per_token_scores, cfg.compile, "compile", self.device), self.device,
                                       TORCH_DTYPES[cfg.dtype])
-        self.prepack = prepacks_eager_passes("prepack_weights", cfg.prepack_weights, cfg.compile, self.device,
-                                             TORCH_DTYPES[cfg.dtype], "Infer")
+        prepack = prepacks_eager_passes("prepack_weights", cfg.prepack_weights, cfg.compile, self.device,
+                                        TORCH_DTYPES[cfg.dtype], "Infer")
+        # packed at an Infer, kept until a Train or Load changes the weights (serving.prepack)
+        self.value_packing = KeptPacking(self.model, cfg.batching.max_tokens_per_pass, prepack)
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model)
@@ -143,6 +144,7 @@ class CriticCore:
             self.max_length = min(self.max_length, max_length_of(self.reward_model))
             self.normalize_reward = reward_normalization(self.reward_model.config, cfg.normalize_reward,
                                                          "normalize_reward", cfg.reward_model)
+            self.reward_packing = KeptPacking(self.reward_model, cfg.batching.max_tokens_per_pass, prepack)
         if cfg.compile:  # compiled now, before ready, not at the first Infer and Train
             seconds = warm_up(self.scores, [self.model, *([self.reward_model] if self.reward_model else [])],
                               self.device, train=self.model)
@@ -197,22 +199,17 @@ class CriticCore:
         each trimmed to its longest row (padding positions are 0 either way)."""
         tokens = pad_and_stack([t for t, _ in requests])
         lengths = torch.cat([n for _, n in requests])
-        with self.packed(self.model):
-            values = self._in_passes(self.values, tokens, lengths)
+        self.value_packing.pack()
+        values = self._in_passes(self.values, tokens, lengths)
         rewards = None
         if self.reward_model is not None:
-            with self.packed(self.reward_model):
-                rewards = self.normalize_reward(self._in_passes(
-                    lambda t, n: last_token_scores(self.scores(self.reward_model, t, n), n), tokens, lengths))
+            self.reward_packing.pack()
+            rewards = self.normalize_reward(self._in_passes(
+                lambda t, n: last_token_scores(self.scores(self.reward_model, t, n), n), tokens, lengths))
         rows = [t.shape[0] for t, _ in requests]
         value_parts = values.split(rows)
         reward_parts = rewards.split(rows) if rewards is not None else [None] * len(rows)
         return [(v[:, :t.shape[1]], r) for (t, _), v, r in zip(requests, value_parts, reward_parts, strict=True)]
-
-    def packed(self, model: torch.nn.Module) -> AbstractContextManager:
-        """`model`'s linear layers through weights prepacked for one pass's worth of rows (prepack_weights), or as
-        they are."""
-        return prepacked_linears(model, self.cfg.batching.max_tokens_per_pass, enabled=self.prepack)
 
     def _in_passes(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor,
                    lengths: torch.Tensor) -> torch.Tensor:
@@ -298,6 +295,7 @@ class CriticCore:
         request can corrupt the weights. Dropout stays off (the model stays in eval mode), as when the old values
         were computed. Returns (mean loss, metrics, the train step reached); explained variance and values_mean
         are over the first pass."""
+        self.value_packing.release()  # training needs the layers' own forward, and changes the weights
         tc = self.cfg.train
         tokens, lengths, returns, old_values, mask = (batch.tokens, batch.lengths, batch.returns, batch.old_values,
                                                       batch.mask)
@@ -404,6 +402,7 @@ class CriticCore:
         if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
             raise NotFound(f"tag: no checkpoint of this critic at {path}")
         saved = load_scalar_head_model(str(path), torch.float32, trust_remote_code=self.cfg.trust_remote_code)
+        self.value_packing.release()  # packed from the weights it replaces
         self.model.load_state_dict(saved.state_dict())
         self._load_training_state(path)
         self.source, self.unsaved = str(path.resolve()), False

@@ -38,7 +38,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
-from serving.prepack import prepacked_linears, prepacks_eager_passes
+from serving.prepack import KeptPacking, prepacks_eager_passes
 from serving.validation import check_int_vector, check_lengths, check_tokens
 
 from .config import RewardConfig
@@ -73,7 +73,7 @@ class RewardCore:
         self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
         self.device = resolve_device(cfg.device)
         self.model = None
-        self.prepack = False  # Score's passes through prepacked weights (load() decides)
+        self.packing: KeptPacking | None = None  # Score's passes through prepacked weights (load() decides)
         self.encoder = False  # an encoder scoring (prompt, response) pairs with its own head, not a decoder's last token
         # Rule scorers whose results are returned as components: the scorer itself, then the extra ones.
         self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
@@ -105,8 +105,9 @@ class RewardCore:
                            else at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device)))
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
-            self.prepack = prepacks_eager_passes("prepack_weights", cfg.prepack_weights, cfg.compile, self.device,
-                                                 TORCH_DTYPES[cfg.dtype], "Score")
+            # packed at the first Score and kept: a reward model's weights never change (serving.prepack)
+            self.packing = KeptPacking(self.model, cfg.batching.max_tokens_per_pass, prepacks_eager_passes(
+                "prepack_weights", cfg.prepack_weights, cfg.compile, self.device, TORCH_DTYPES[cfg.dtype], "Score"))
             if cfg.compile:  # compiled now, before ready, not at the first Score
                 log.info("compile=true: Score pass compiled in %.1f s", warm_up(self.scores, [self.model], self.device))
         else:
@@ -318,10 +319,10 @@ class RewardCore:
     def _model_rewards(self, requests: list[ScoreInput]) -> list[torch.Tensor]:
         tokens = pad_and_stack([r.tokens for r in requests], pad=self.pad_id)
         lengths = torch.cat([r.lengths for r in requests])
-        with prepacked_linears(self.model, self.cfg.batching.max_tokens_per_pass, enabled=self.prepack):
-            rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
-                                self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass,
-                                observe=functools.partial(self.observe_pass, "Score"))
+        self.packing.pack()
+        rewards = by_length(lambda tok, n: self.scores(self.model, tok, n), tokens, lengths,
+                            self.cfg.batching.max_batch_size, self.device, self.cfg.batching.max_tokens_per_pass,
+                            observe=functools.partial(self.observe_pass, "Score"))
         rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))
 

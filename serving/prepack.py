@@ -82,3 +82,26 @@ def prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -
     finally:
         for module in packed:
             del module.forward
+
+
+class KeptPacking:
+    """`prepacked_linears(model, rows)` held across calls, for a model whose weights change seldom (a critic between
+    Trains) or never (a reward model): `pack()` routes its linear layers through packed copies of their weights and
+    leaves them so until `release()`, which must come before the weights change or a pass needs gradients (the packed
+    op has no backward); the next `pack()` packs the weights as they are then. With `enabled` false both do
+    nothing."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, enabled: bool):
+        self.model, self.rows, self.enabled = model, rows, enabled
+        self._held: contextlib.ExitStack | None = None
+
+    def pack(self) -> None:
+        if self.enabled and self._held is None:
+            held = contextlib.ExitStack()
+            held.enter_context(prepacked_linears(self.model, self.rows))
+            self._held = held
+
+    def release(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.close()

@@ -194,6 +194,21 @@ def test_train_moves_values_toward_returns(stub):
     assert abs(end - 5.0) < abs(start - 5.0)
 
 
+def test_infer_after_a_train_computes_with_the_trained_weights(critic, stub):
+    """The Infer passes' packed weights (prepack_weights, kept between Trains) are those of the latest Train: values
+    after it equal those of its checkpoint loaded in process."""
+    tokens, lengths = batch(9)
+    infer(stub, tokens, lengths)  # packs the weights as they are
+    stub.Train(train_request(tokens, 3.0), timeout=120)
+    after = infer(stub, tokens, lengths)
+    from transformers import AutoModelForSequenceClassification
+
+    path = stub.Save(critic_pb2.SaveRequest(tag="after-train"), timeout=120).path
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(after, per_token_scores(model, tokens, lengths), atol=1e-5, rtol=1e-5)
+
+
 def test_save_writes_a_checkpoint_transformers_loads(critic, stub):
     tokens, lengths = batch(3)
     reply = stub.Save(critic_pb2.SaveRequest(tag="step_7"), timeout=120)
@@ -737,6 +752,7 @@ def test_load_returns_to_a_checkpoint_weights_optimizer_step_and_request_ids(cri
     values_then = infer(stub, tokens, lengths)
     second = stub.Train(_with_id(train_request(tokens, 5.0), "run-l/2/0"), timeout=120)
     assert second.train_step == saved.train_step + 1
+    assert not torch.equal(infer(stub, tokens, lengths), values_then)  # packs step 2's weights (prepack_weights)
     loaded = stub.Load(critic_pb2.LoadRequest(tag="run-l-step_1"), timeout=120)
     assert (loaded.path, loaded.train_step) == (saved.path, saved.train_step)
     assert _info(stub).train_step == saved.train_step

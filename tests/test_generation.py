@@ -27,7 +27,7 @@ from actor.generation import (
     TorchGenerationBackend,
     concat_rollouts,
 )
-from serving.prepack import can_prepack, prepacked_linears
+from serving.prepack import KeptPacking, can_prepack, prepacked_linears
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +209,35 @@ def test_linear_layers_on_prepacked_weights_compute_as_the_plain_ones_and_are_re
             assert n == 0 and not any("forward" in m.__dict__ for m in net)
     assert can_prepack(torch.device("cpu"), torch.float32) == torch.backends.mkldnn.is_available()
     assert not can_prepack(torch.device("cpu"), torch.bfloat16) and not can_prepack(torch.device("cuda"), torch.float32)
+
+
+def test_kept_packing_holds_the_packed_layers_until_released_and_repacks_the_weights_then():
+    """serving.prepack.KeptPacking (the servers' packing between weight changes): the layers stay packed from pack()
+    to release(), a second pack() packs nothing again, and a pack() after the weights changed computes with the new
+    ones; switched off it leaves the layers alone."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8))
+    x = torch.randn(5, 16)
+    packing = KeptPacking(net, rows=64, enabled=True)
+    with torch.no_grad():
+        packing.pack()
+        first = net[0].forward
+        packing.pack()
+        assert net[0].forward is first  # still the first packing
+        torch.testing.assert_close(net(x), torch.nn.functional.linear(
+            torch.nn.functional.silu(torch.nn.functional.linear(x, net[0].weight, net[0].bias)), net[2].weight,
+            net[2].bias), rtol=1e-5, atol=1e-5)
+        packing.release()
+        assert not any("forward" in m.__dict__ for m in net)
+        packing.release()  # twice: nothing more to give back
+        net[2].weight.mul_(2.0)  # the weights change, as a Train changes the critic's
+        want = net(x)
+        packing.pack()
+        torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
+        packing.release()
+        off = KeptPacking(net, rows=64, enabled=False)
+        off.pack()
+        assert not any("forward" in m.__dict__ for m in net)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
