@@ -8,7 +8,9 @@ codec's speed, and what dynamic batching gains, measured on this machine in one 
    `python -m critic_server --port P ... --model DIR num_threads=2`, started as tests/service_procs.py starts it. This
    process loads the same checkpoint with torch.set_num_threads(2). Rounds alternate: the forward of 64 x 272 tokens
    in process (the servers idle), in the passes the server cuts it into (its default batching: at most 64 rows and
-   2048 tokens a pass), then an Infer of the same batch with the actor's client (actor.clients.CriticClient).
+   2048 tokens a pass) and through linear weights packed once, as the server keeps them packed between Trains (its
+   default prepack_weights, on a CPU in float32), then an Infer of the same batch with the actor's client
+   (actor.clients.CriticClient).
    Target: median of the per-round ratios remote / in-process <= 1.05; the values must agree too. The same forward
    takes from 10% less to 15% more time in one process than in another here (its activations take 200,000-450,000
    page faults, and how many depends on the state of the process's heap), so the table also gives the split's own
@@ -51,7 +53,8 @@ from actor.config import RemoteConfig
 from ppo_services.v1 import common_pb2
 from serving.codec import decode, encode, retain_freed_memory
 from serving.modeling import by_length, load_scalar_head_model, per_token_scores
-from serving.server_config import BatchingConfig
+from serving.prepack import KeptPacking, can_prepack
+from serving.server_config import BatchingConfig, ServerConfig
 from tests.service_procs import ServiceProcess, histogram_stats
 
 THREADS = 2  # torch threads, in this process and on each server (num_threads)
@@ -135,6 +138,9 @@ def server_compute_seconds(server: ServiceProcess) -> float:
 
 
 SERVER_PASSES = BatchingConfig()  # how the critic server (default batching) cuts a batch into forward passes
+# whether its Infer passes compute through prepacked weights (its default prepack_weights, on a CPU in float32)
+SERVER_PREPACKS = (ServerConfig.model_fields["prepack_weights"].default
+                   and can_prepack(torch.device("cpu"), torch.float32))
 
 
 def forward_seconds(model, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -329,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         on, off = start_servers(model_dir, work, args.queue_delay_ms)
         try:
             model = load_scalar_head_model(str(model_dir)).eval()
+            packing = KeptPacking(model, SERVER_PASSES.max_tokens_per_pass, SERVER_PREPACKS)
+            with torch.inference_mode():  # its linear weights packed once, as the servers keep theirs
+                packing.pack()
             client = CriticClient(RemoteConfig(address=on.address))
             info = client.info()
             tokens, lengths = batch_of(*size.batch, seed=1)
