@@ -221,6 +221,7 @@ def test_kept_packing_holds_the_packed_layers_until_released_and_repacks_the_wei
     packing = KeptPacking(net, rows=64, enabled=True)
     with torch.no_grad():
         packing.pack()
+        assert all("forward" in m.__dict__ for m in (net[0], net[2]))
         first = net[0].forward
         packing.pack()
         assert net[0].forward is first  # still the first packing
