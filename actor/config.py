@@ -114,6 +114,23 @@ class LoraConfig(StrictModel):
         return v
 
 
+class DynamicBatchingConfig(StrictModel):
+    """NeMo-RL's policy.dynamic_batching: the actor's passes cut by padded tokens instead of rows."""
+
+    enabled: bool = Field(False, description="Cut the policy's training micro-batches and its log-prob passes (policy and reference) by tokens: rows sorted by length go into passes of at most train_mb_tokens (training) or logprob_mb_tokens (log-probs) tokens counted padded (rows x the pass's width), so short rows go many to a pass and long ones few. policy.train_micro_batch_size and policy.logprob_batch_size then no longer bound the rows of a pass. The loss is normalised over the global batch either way, so losses and gradients equal the row-cut ones up to float summation order. false: passes of at most train_micro_batch_size and logprob_batch_size rows.")
+    train_mb_tokens: int | None = Field(None, ge=1, description="Most padded tokens in one training micro-batch (a row longer than this gets one of its own). Required when enabled.")
+    logprob_mb_tokens: int | None = Field(None, ge=1, description="Most padded tokens in one log-prob pass. Required when enabled.")
+    sequence_length_round: int = Field(1, ge=1, description="Each pass's width (its longest row) is rounded up to a multiple of this, within the batch's width; NeMo-RL's configs use 64, which lets a GPU see fewer distinct shapes. 1: no rounding, the least padding.")
+
+    @model_validator(mode="after")
+    def _budgets_when_enabled(self) -> DynamicBatchingConfig:
+        missing = [k for k in ("train_mb_tokens", "logprob_mb_tokens") if getattr(self, k) is None]
+        if self.enabled and missing:
+            raise ValueError(f"policy.dynamic_batching.enabled=true needs {' and '.join(missing)}: the most padded "
+                             f"tokens in one pass (a positive integer)")
+        return self
+
+
 class PolicyConfig(StrictModel):
     model_name: str = Field("embedded:policy", description="SFT policy: Hugging Face causal-LM path or hub id, or embedded:policy.")
     reference_model_name: str | None = Field(None, description="Frozen reference policy for the KL term; defaults to model_name.")
@@ -131,6 +148,7 @@ class PolicyConfig(StrictModel):
     lora: LoraConfig | None = Field(None, description="LoRA adapters (peft) on the policy; null trains the policy's own weights. The reference is then the same model with its adapters disabled (no second copy) unless reference_model_name names another model.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PolicyConfig:

@@ -19,9 +19,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from algorithms import groups_with_signal, logprobs_from_logits
 from serving.modeling import (
     ModelPass,
+    PassLimits,
     attention_mask_from_lengths,
     by_length,
     causal_lm_logits,
+    length_buckets,
     pad_and_stack,
     torch_threads,
 )
@@ -176,12 +178,12 @@ class RolloutCollector:
 
     def __init__(self, *, policy: PreTrainedModel, reference: Reference | None, backend: GenerationBackend,
                  critic: CriticClient | None, score: ScoreFn | None, pad_id: int, device: torch.device,
-                 generation_batch_size: int, logprob_batch_size: int, timers: Timers, reuse_logprobs: bool = False,
+                 generation_batch_size: int, logprob_passes: PassLimits, timers: Timers, reuse_logprobs: bool = False,
                  shared_threads: int = 0, logits: ModelPass = causal_lm_logits, prepack: bool = False):
         self.policy, self.reference, self.backend = policy, reference, backend
         self.critic, self.score = critic, score  # score None: rewards come with the critic's values (combined)
         self.pad_id, self.device = pad_id, device
-        self.generation_batch_size, self.logprob_batch_size = generation_batch_size, logprob_batch_size
+        self.generation_batch_size, self.logprob_passes = generation_batch_size, logprob_passes
         self.timers = timers
         self.shared_threads = shared_threads  # torch threads while the servers answer this batch's requests
         self.reuse_logprobs = reuse_logprobs  # the policy's log-probs are generation's (the backend samples the policy)
@@ -191,15 +193,17 @@ class RolloutCollector:
 
     def logprobs(self, model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Log-prob of each next token, float32 [B, S-1] (0 past each row's end), without gradients, in passes of
-        at most logprob_batch_size rows of similar length trimmed to their longest row."""
+        of rows of similar length trimmed to their longest row, as `logprob_passes` cuts them (policy.logprob_batch_size
+        rows, or policy.dynamic_batching's tokens)."""
         def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
             logits = self.logits(model, tok, n)
             lp = logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:])
             return lp * attention_mask_from_lengths(n - 1, lp.shape[1])
 
-        rows = min(self.logprob_batch_size, len(lengths)) * int(lengths.max())
+        first = length_buckets(lengths, self.logprob_passes)[0]  # the widest pass: the rows the weights are packed for
+        rows = len(first) * self.logprob_passes.width(int(lengths[first].max()), tokens.shape[1])
         with torch.no_grad(), prepacked_linears(model, rows, enabled=self.prepack):
-            return by_length(pass_, tokens, lengths, self.logprob_batch_size, self.device)
+            return by_length(pass_, tokens, lengths, self.logprob_passes, self.device)
 
     def generate_rows(self, prompts: list[Prompt], params: SamplingParams, seed: int) -> Rollout:
         """One generation batch: a response per prompt (actor/multiturn.py makes episodes instead)."""

@@ -35,6 +35,7 @@ from algorithms import (
 from embedded import resolve_model
 from serving.modeling import (
     TORCH_DTYPES,
+    PassLimits,
     causal_lm_logits,
     compiled,
     length_buckets,
@@ -51,7 +52,7 @@ from . import checkpoints
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
 from .clients import RemoteError
-from .config import ActorConfig
+from .config import ActorConfig, PolicyConfig
 from .data import PromptFormat, PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .environments import BadEnvironment
 from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
@@ -67,6 +68,16 @@ log = logging.getLogger(__name__)
 RUN_ENDING_FAILURES = {RemoteError: "a server is unavailable",
                        RolloutWorkerError: "the generation worker failed", BadEnvironment: "the environment failed"}
 STOPS_THE_RUN = tuple(RUN_ENDING_FAILURES)
+
+
+def pass_limits(pol: PolicyConfig) -> tuple[PassLimits, PassLimits]:
+    """How the policy's training micro-batches and its log-prob passes are cut: by padded tokens with
+    policy.dynamic_batching enabled (NeMo-RL's key), else by train_micro_batch_size and logprob_batch_size rows."""
+    db = pol.dynamic_batching
+    if db.enabled:
+        return (PassLimits(tokens=db.train_mb_tokens, width_multiple=db.sequence_length_round),
+                PassLimits(tokens=db.logprob_mb_tokens, width_multiple=db.sequence_length_round))
+    return PassLimits(rows=pol.train_micro_batch_size), PassLimits(rows=pol.logprob_batch_size)
 
 
 class PPOTrainer:
@@ -140,11 +151,12 @@ class PPOTrainer:
         collector = (RolloutCollector if cfg.env.name is None else
                      multi_turn_collector(cfg, self.tokenizer, self.servers.reward, self.servers.max_length))
         self.episode_metrics = (lambda mask: {}) if cfg.env.name is None else episode_metrics
+        self.train_passes, self.logprob_passes = pass_limits(pol)
         self.collector = collector(
             policy=self.policy, reference=self.reference,
             backend=backend,
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
-            generation_batch_size=pol.generation_batch_size, logprob_batch_size=pol.logprob_batch_size, timers=self.timers,
+            generation_batch_size=pol.generation_batch_size, logprob_passes=self.logprob_passes, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits,
             prepack=prepacks_eager_passes("policy.generation.prepack_weights", gen.prepack_weights, pol.compile,
                                           self.device, dtype, "the log-prob"))
@@ -211,9 +223,9 @@ class PPOTrainer:
                 n_tokens = float(loss_mask[idx].sum().clamp(min=1))
                 n_seqs = float((loss_mask[idx].sum(1) > 0).sum().clamp(min=1))
                 self.optimizer.zero_grad(set_to_none=True)
-                for bucket in length_buckets(lengths[idx], pol.train_micro_batch_size):
+                for bucket in length_buckets(lengths[idx], self.train_passes):
                     mi = idx[bucket]  # rows of similar length, trimmed to the longest: no work on padding
-                    w = int(lengths[mi].max())
+                    w = self.train_passes.width(int(lengths[mi].max()), tokens.shape[1])
 
                     def rows(x: torch.Tensor | None, mi: torch.Tensor = mi, w: int = w) -> torch.Tensor | None:
                         return None if x is None else x[mi, :w - 1].to(self.device)

@@ -267,36 +267,58 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def length_buckets(lengths: torch.Tensor, size: int, max_tokens: int = 0) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class PassLimits:
+    """How a batch is cut into forward passes (`length_buckets`): at most `rows` rows (0: no limit) and `tokens` tokens
+    counted padded (rows x the pass's width; 0: no limit), the width being the pass's longest row rounded up to a
+    multiple of `width_multiple`."""
+
+    rows: int = 0
+    tokens: int = 0
+    width_multiple: int = 1
+
+    def width(self, longest: int, cap: int | None = None) -> int:
+        """A pass's width for its `longest` row: rounded up to width_multiple, at most `cap` (the batch's width)."""
+        w = -(-longest // self.width_multiple) * self.width_multiple
+        return w if cap is None else min(w, max(cap, longest))
+
+
+def length_buckets(lengths: torch.Tensor, size: int | PassLimits, max_tokens: int = 0) -> list[torch.Tensor]:
     """Row indices in chunks of at most `size` rows, longest rows first. A chunk trimmed to its own longest row
     carries little padding, so passes over the chunks cost in proportion to the valid tokens, not the padded
     batch; for right-padded causal models the outputs at valid positions are the same either way. With
     `max_tokens` > 0 a chunk also holds at most that many tokens counted padded (its rows x its longest row; a
-    longer row alone makes its own chunk), so long rows go in few to a pass and short ones in many."""
+    longer row alone makes its own chunk), so long rows go in few to a pass and short ones in many. `size` may be a
+    PassLimits instead, which then gives both (its rows 0: no row limit) and the width multiple the tokens are
+    counted at."""
+    limits = size if isinstance(size, PassLimits) else PassLimits(rows=max(1, size), tokens=max_tokens)
     lengths = lengths.cpu()
     order = torch.argsort(lengths, descending=True, stable=True)
-    size = max(1, size)
-    if max_tokens <= 0:
-        return list(order.split(size))
+    most_rows = limits.rows if limits.rows > 0 else len(order)
+    if limits.tokens <= 0:
+        return list(order.split(most_rows))
     sorted_lengths = lengths[order].tolist()
     sizes, start = [], 0
     while start < len(order):
-        rows = min(size, len(order) - start, max(1, max_tokens // max(1, sorted_lengths[start])))
+        rows = min(most_rows, len(order) - start,
+                   max(1, limits.tokens // max(1, limits.width(sorted_lengths[start]))))
         sizes.append(rows)
         start += rows
     return list(order.split(sizes))
 
 
 def by_length(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: torch.Tensor, lengths: torch.Tensor,
-              size: int, device: torch.device | str = "cpu", max_tokens: int = 0,
+              size: int | PassLimits, device: torch.device | str = "cpu", max_tokens: int = 0,
               observe: Callable[[int], object] | None = None) -> torch.Tensor:
     """Apply `fn(tokens [b, w], lengths [b])` to length buckets of at most `size` rows (and `max_tokens` padded
-    tokens, when > 0), each trimmed to its longest row w, and gather the outputs back in row order on the CPU.
+    tokens, when > 0; or as a PassLimits gives), each trimmed to its longest row w (rounded up to the limits' width
+    multiple, within the batch's width), and gather the outputs back in row order on the CPU.
     `fn` returns [b] per row or [b, w - k] per position; positions past a bucket's width are 0 in the result
     ([B] or [B, S - k]). `observe`, when given, is called with each pass's padded tokens (b x w) before it runs."""
+    limits = size if isinstance(size, PassLimits) else PassLimits(rows=max(1, size), tokens=max_tokens)
     out = None
-    for idx in length_buckets(lengths, size, max_tokens):
-        w = int(lengths[idx].max())
+    for idx in length_buckets(lengths, limits):
+        w = limits.width(int(lengths[idx].max()), tokens.shape[1])
         if observe is not None:
             observe(len(idx) * w)
         y = fn(tokens[idx, :w].to(device), lengths[idx].to(device)).cpu()

@@ -307,10 +307,14 @@ def test_warmup_validation_adaptive_kl_and_importance_sampling_in_one_run(reward
 
 def test_reused_log_probs_critic_epochs_and_ignored_eos_with_the_step_breakdown(reward, critic, tmp_path):
     """The performance options a user sets: no policy log-prob pass (generation's are reused; the first epoch's
-    ratio stays 1 up to their error), the critic trained every PPO epoch, every response max_new_tokens long;
-    each step prints where its time went."""
+    ratio stays 1 up to their error), the critic trained every PPO epoch, every response max_new_tokens long, the
+    reference pass and the training micro-batches cut by tokens (NeMo-RL's policy.dynamic_batching), truncated
+    responses trained on (ppo.overlong_filtering=false, as in the bench); each step prints where its time went."""
     run = run_actor("ppo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", "ppo.ppo_epochs=2", "critic.ppo_epochs=2",
                     "policy.generation.reuse_logprobs=true", "policy.generation.ignore_eos=true",
+                    "policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=64",
+                    "policy.dynamic_batching.logprob_mb_tokens=48", "policy.dynamic_batching.sequence_length_round=4",
+                    "ppo.overlong_filtering=false",
                     f"reward.address={reward.address}", f"critic.address={critic.address}")
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path / "run")
@@ -320,6 +324,7 @@ def test_reused_log_probs_critic_epochs_and_ignored_eos_with_the_step_breakdown(
         assert r["train_rollouts/response_lengths"] == 8 and r["train_rollouts/fraction_of_samples_properly_ended"] == 0
         assert r["critic/optimizer_steps"] == 2 and r["timers/critic_train"] > 0
         assert r["timers/other"] >= 0
+    assert all(r["train_rollouts/loss_tokens_fraction"] == 1 and r["train_optim/ppo_ratio"] > 0 for r in rows)
     assert rows[1]["critic/train_step"] - rows[0]["critic/train_step"] == 2
     breakdown = [line for line in run.stderr.splitlines() + run.stdout.splitlines() if line.startswith("step 2 time")]
     assert breakdown and "generation" in breakdown[0] and "actor train" in breakdown[0], run.stderr[-2000:]

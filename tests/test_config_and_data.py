@@ -41,6 +41,9 @@ def test_yaml_file_and_dotted_overrides(tmp_path):
         ("nonsense", ["KEY=VALUE"]),
         ("policy.lora.rnak=4", ["policy.lora.rnak", "unknown key", "rank", "target_modules"]),  # an optional section
         ("policy.lora.target_modules=[]", ["policy.lora.target_modules", "'all-linear'", "[]"]),
+        ("policy.dynamic_batching.enabled=true", ["policy.dynamic_batching.enabled=true", "train_mb_tokens",
+                                                  "logprob_mb_tokens", "positive integer"]),
+        ("policy.dynamic_batching.logprob_mb_tokens=0", ["policy.dynamic_batching.logprob_mb_tokens", "greater than"]),
     ],
 )
 def test_config_errors_name_the_key_and_what_is_allowed(override, words):

@@ -36,6 +36,7 @@ from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.modeling import (
     NO_LENGTH_LIMIT,
+    PassLimits,
     attention_mask_from_lengths,
     load_scalar_head_model,
     max_length_of,
@@ -63,7 +64,7 @@ def batch(seed: int = 0, b: int = 6, s: int = 12) -> tuple[torch.Tensor, torch.T
 def logprobs(model, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     collector = RolloutCollector(policy=model, reference=None, backend=None, critic=None, score=None, pad_id=0,
                                  device=next(model.parameters()).device, generation_batch_size=8,
-                                 logprob_batch_size=8, timers=Timers())
+                                 logprob_passes=PassLimits(rows=8), timers=Timers())
     return collector.logprobs(model, tokens, lengths)
 
 

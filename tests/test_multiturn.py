@@ -31,6 +31,7 @@ from actor.tracking import Timers
 from algorithms import compute_gae, kl_penalty, token_level_rewards
 from embedded.task import positive_fraction
 from serving.config import ConfigError, load_config
+from serving.modeling import PassLimits
 from tests.service_procs import ServiceProcess
 from tests.test_algorithm_runs import metrics, run_actor
 
@@ -128,7 +129,7 @@ def collector(policy, tok, env, max_turns: int, max_length: int = 64) -> MultiTu
         environment=env, tokenizer=tok, max_turns=max_turns, max_length=max_length, policy=policy, reference=ResidentReference(policy),
         backend=TorchGenerationBackend(policy, tok.pad_token_id, torch.device("cpu"), tokenizer=tok), critic=None,
         score=None, pad_id=tok.pad_token_id, device=torch.device("cpu"), generation_batch_size=8,
-        logprob_batch_size=8, timers=Timers())
+        logprob_passes=PassLimits(rows=8), timers=Timers())
 
 
 def test_episodes_alternate_generation_and_the_environment(policy, tok):

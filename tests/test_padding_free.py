@@ -15,7 +15,7 @@ from actor.generation import SamplingParams, TorchGenerationBackend
 from actor.rollouts import RolloutCollector
 from actor.tracking import Timers
 from algorithms import logprobs_from_logits, policy_loss
-from serving.modeling import attention_mask_from_lengths, by_length, length_buckets
+from serving.modeling import PassLimits, attention_mask_from_lengths, by_length, length_buckets
 
 # Documented in docs/PERFORMANCE.md ("Reusing generation's log-probs"); measured max is about 1e-6 in float32.
 REUSE_MAX_ABS_ERROR = 1e-4
@@ -66,14 +66,36 @@ def test_a_token_budget_cuts_long_rows_few_to_a_pass_and_short_ones_many():
     assert [len(b) for b in length_buckets(lengths, 8, max_tokens=0)] == [8]  # 0: rows only
 
 
+def test_pass_limits_by_tokens_alone_and_widths_rounded_up():
+    """policy.dynamic_batching's cut: no row limit, a token budget counted at widths rounded up to a multiple."""
+    lengths = torch.tensor([3, 9, 1, 9, 4, 7, 2, 20])
+    by_tokens = PassLimits(tokens=24)
+    assert [sorted(lengths[b].tolist()) for b in length_buckets(lengths, by_tokens)] == [[20], [9, 9], [3, 4, 7], [1, 2]]
+    rounded = PassLimits(tokens=24, width_multiple=8)  # widths 24, 16, 16, 8, ...: at most 1, 1, 1, then 3 rows
+    buckets = length_buckets(lengths, rounded)
+    assert [sorted(lengths[b].tolist()) for b in buckets] == [[20], [9], [9], [3, 4, 7], [1, 2]]
+    assert [rounded.width(int(lengths[b].max()), 20) for b in buckets] == [20, 16, 16, 8, 8]  # capped at the batch's
+    assert [len(b) for b in length_buckets(lengths, PassLimits())] == [8]  # no limits: one pass
+    tokens = torch.arange(8 * 20).reshape(8, 20)
+    widths: list[int] = []
+    by_length(lambda t, n: t[:, 0].float(), tokens, lengths, rounded, observe=widths.append)
+    assert widths == [20, 16, 16, 3 * 8, 2 * 8]  # each pass's padded tokens at its rounded width
+
+
+LOGPROB_PASSES = {"rows": PassLimits(rows=3), "tokens": PassLimits(tokens=40),
+                  "tokens-rounded": PassLimits(tokens=40, width_multiple=8)}
+
+
+@pytest.mark.parametrize("passes", LOGPROB_PASSES.values(), ids=LOGPROB_PASSES.keys())
 @pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
-def test_bucketed_log_probs_equal_the_padded_ones(policy, prepack):
+def test_bucketed_log_probs_equal_the_padded_ones(policy, prepack, passes):
     """Also through weights prepacked for oneDNN (policy.generation.prepack_weights with eager passes), which the
-    layers give back after the passes."""
+    layers give back after the passes, and with passes cut by tokens (policy.dynamic_batching), widths rounded up
+    or not."""
     model, tok = policy
     tokens, lengths = ragged_batch(len(tok))
     collector = RolloutCollector(policy=model, reference=None, backend=None, critic=None, score=None, pad_id=0,
-                                 device=torch.device("cpu"), generation_batch_size=4, logprob_batch_size=3,
+                                 device=torch.device("cpu"), generation_batch_size=4, logprob_passes=passes,
                                  timers=Timers(), prepack=prepack)
     bucketed = collector.logprobs(model, tokens, lengths)
     assert not any("forward" in m.__dict__ for m in model.modules())
@@ -97,8 +119,13 @@ def test_by_length_gathers_per_row_outputs_back_in_order():
     assert widths[3].tolist() == [2.0, 0.0, 0.0, 0.0] and widths[1].tolist() == [5.0] * 4
 
 
-def test_bucketed_policy_loss_and_gradients_equal_the_padded_ones(policy):
-    """What train_policy does: micro-batches by length, each normalised by the global batch's token count."""
+TRAIN_PASSES = {"rows": PassLimits(rows=4), "tokens-rounded": PassLimits(tokens=48, width_multiple=8)}
+
+
+@pytest.mark.parametrize("passes", TRAIN_PASSES.values(), ids=TRAIN_PASSES.keys())
+def test_bucketed_policy_loss_and_gradients_equal_the_padded_ones(policy, passes):
+    """What train_policy does: micro-batches by length (by rows, or by tokens with policy.dynamic_batching), each
+    normalised by the global batch's token count."""
     model, tok = policy
     tokens, lengths = ragged_batch(len(tok), seed=1)
     g = torch.Generator().manual_seed(2)
@@ -125,8 +152,10 @@ def test_bucketed_policy_loss_and_gradients_equal_the_padded_ones(policy):
     padded.backward()
     padded_grads = grads()
     total = torch.zeros(())
-    for bucket in length_buckets(lengths, 4):
-        part = loss_of(bucket, int(lengths[bucket].max()))
+    buckets = length_buckets(lengths, passes)
+    assert len(buckets) > 2
+    for bucket in buckets:
+        part = loss_of(bucket, passes.width(int(lengths[bucket].max()), tokens.shape[1]))
         part.backward()
         total = total + part.detach()
     assert float(total) == pytest.approx(float(padded.detach()), rel=1e-6, abs=1e-7)
