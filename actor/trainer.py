@@ -12,7 +12,7 @@ import random
 import shutil
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ from serving.modeling import (
     torch_threads,
     warm_up,
 )
-from serving.prepack import prepacks_eager_passes
+from serving.prepack import prepacked_linears, prepacks_passes
 from serving.rest import add_ops_routes, start_ops_thread
 
 from . import checkpoints
@@ -115,6 +115,9 @@ class PPOTrainer:
         # (policy.precision=bfloat16: under autocast, the float32 weights computing in bf16)
         self.logits = mixed_precision(compiled(causal_lm_logits, pol.compile, "policy.compile", self.device),
                                       self.device, dtype)
+        # the no-grad log-prob passes through weights prepacked for oneDNN (CPU, float32), eager or compiled
+        self.prepack_logprobs = prepacks_passes("policy.generation.prepack_weights", gen.prepack_weights, self.device,
+                                                dtype, "the log-prob")
         # made before the servers are waited for, so policy.generation.compile without a compiler is refused at once
         backend = TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
                                          compile_decode=gen.compile, compute_dtype=dtype, prepack=gen.prepack_weights)
@@ -158,8 +161,7 @@ class PPOTrainer:
             critic=self.critic, score=self.servers.score, pad_id=self.pad_id, device=self.device,
             generation_batch_size=pol.generation_batch_size, logprob_passes=self.logprob_passes, timers=self.timers,
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits,
-            prepack=prepacks_eager_passes("policy.generation.prepack_weights", gen.prepack_weights, pol.compile,
-                                          self.device, dtype, "the log-prob"))
+            prepack=self.prepack_logprobs)
         self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
                                        self.device, pol.generation_batch_size, self.timers, gen.compile)
                          if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))
@@ -185,8 +187,15 @@ class PPOTrainer:
             with torch_threads(cfg.num_threads_shared), \
                     self.reference.resident() if self.reference is not None else nullcontext() as reference:
                 models = [*no_grad, *([reference] if reference is not None else [])]
+
+                def packed() -> ExitStack:  # as the log-prob passes compute (RolloutCollector.logprobs)
+                    stack = ExitStack()
+                    for m in models:
+                        stack.enter_context(prepacked_linears(m, 16, enabled=self.prepack_logprobs))
+                    return stack
+
                 if models:
-                    seconds += warm_up(self.logits, models, self.device, grad_free=torch.no_grad)
+                    seconds += warm_up(self.logits, models, self.device, grad_free=torch.no_grad, packed=packed)
             with torch_threads(self.update_threads()), self.models.training():
                 seconds += warm_up(self.logits, [], self.device, train=self.policy)
         return seconds

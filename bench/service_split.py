@@ -53,7 +53,7 @@ from actor.config import RemoteConfig
 from ppo_services.v1 import common_pb2
 from serving.codec import decode, encode, retain_freed_memory
 from serving.modeling import by_length, load_scalar_head_model, per_token_scores
-from serving.prepack import KeptPacking, prepacks_eager_passes
+from serving.prepack import KeptPacking, prepacks_passes
 from serving.server_config import BatchingConfig, ServerConfig
 from tests.service_procs import ServiceProcess, histogram_stats
 
@@ -138,9 +138,9 @@ def server_compute_seconds(server: ServiceProcess) -> float:
 
 
 SERVER_PASSES = BatchingConfig()  # how the critic server (default batching) cuts a batch into forward passes
-# whether its Infer passes compute through prepacked weights (its default prepack_weights, eager, on a CPU in float32)
-SERVER_PREPACKS = prepacks_eager_passes("prepack_weights", ServerConfig.model_fields["prepack_weights"].default,
-                                        False, torch.device("cpu"), torch.float32, "the in-process Infer")
+# whether its Infer passes compute through prepacked weights (its default prepack_weights, on a CPU in float32)
+SERVER_PREPACKS = prepacks_passes("prepack_weights", ServerConfig.model_fields["prepack_weights"].default,
+                                  torch.device("cpu"), torch.float32, "the in-process Infer")
 
 
 def forward_seconds(model, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -5,6 +5,7 @@ Every method except the validators runs on the server's single model thread (ser
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -14,7 +15,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
-from serving.prepack import KeptPacking, prepacks_eager_passes
+from serving.prepack import KeptPacking, prepacks_passes
 from serving.validation import check_lengths, check_per_action, check_tokens
 
 from .config import CriticConfig
@@ -129,8 +130,7 @@ class CriticCore:
             self.model.config.normalize_reward = self.normalize_values != RewardNormalization()
         self.scores = mixed_precision(compiled(per_token_scores, cfg.compile, "compile", self.device), self.device,
                                       TORCH_DTYPES[cfg.dtype])
-        prepack = prepacks_eager_passes("prepack_weights", cfg.prepack_weights, cfg.compile, self.device,
-                                        TORCH_DTYPES[cfg.dtype], "Infer")
+        prepack = prepacks_passes("prepack_weights", cfg.prepack_weights, self.device, TORCH_DTYPES[cfg.dtype], "Infer")
         # packed at an Infer, kept until a Train or Load changes the weights (serving.prepack)
         self.value_packing = KeptPacking(self.model, cfg.batching.max_tokens_per_pass, prepack)
         self.reward_model = None
@@ -147,10 +147,17 @@ class CriticCore:
             self.reward_packing = KeptPacking(self.reward_model, cfg.batching.max_tokens_per_pass, prepack)
         if cfg.compile:  # compiled now, before ready, not at the first Infer and Train
             seconds = warm_up(self.scores, [self.model, *([self.reward_model] if self.reward_model else [])],
-                              self.device, train=self.model)
+                              self.device, train=self.model, packed=self._packed)
             log.info("compile=true: Infer and Train passes compiled in %.1f s", seconds)
         log.info("critic %s loaded on %s (vocab %d, max length %d, combined RM: %s)",
                  cfg.model, self.device, self.vocab_size, self.max_length, cfg.reward_model)
+
+    @contextlib.contextmanager
+    def _packed(self) -> Iterator[None]:
+        """The value model (and a combined reward model) on packed weights for the block, as Infer computes."""
+        with self.value_packing.packed(), \
+                self.reward_packing.packed() if self.reward_model is not None else contextlib.nullcontext():
+            yield
 
     def _start_checkpoint(self) -> Path | None:
         """The checkpoint load() starts from: the newest of this server's with resume=latest, else None."""

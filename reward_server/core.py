@@ -38,7 +38,7 @@ from serving.modeling import (
     vocab_sha256,
     warm_up,
 )
-from serving.prepack import KeptPacking, prepacks_eager_passes
+from serving.prepack import KeptPacking, prepacks_passes
 from serving.validation import check_int_vector, check_lengths, check_tokens
 
 from .config import RewardConfig
@@ -106,10 +106,11 @@ class RewardCore:
             self.vocab_size = int(self.model.config.vocab_size)
             self.max_length = max_length_of(self.model)
             # packed at the first Score and kept: a reward model's weights never change (serving.prepack)
-            self.packing = KeptPacking(self.model, cfg.batching.max_tokens_per_pass, prepacks_eager_passes(
-                "prepack_weights", cfg.prepack_weights, cfg.compile, self.device, TORCH_DTYPES[cfg.dtype], "Score"))
+            self.packing = KeptPacking(self.model, cfg.batching.max_tokens_per_pass, prepacks_passes(
+                "prepack_weights", cfg.prepack_weights, self.device, TORCH_DTYPES[cfg.dtype], "Score"))
             if cfg.compile:  # compiled now, before ready, not at the first Score
-                log.info("compile=true: Score pass compiled in %.1f s", warm_up(self.scores, [self.model], self.device))
+                log.info("compile=true: Score pass compiled in %.1f s",
+                         warm_up(self.scores, [self.model], self.device, packed=self.packing.packed))
         else:
             self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER), cfg.trust_remote_code)
             self.vocab_size = len(self.tokenizer)

@@ -19,7 +19,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -418,17 +418,19 @@ def mixed_precision(pass_: ModelPass, device: torch.device, dtype: torch.dtype) 
 
 def warm_up(pass_: ModelPass, models: list[PreTrainedModel], device: torch.device, *,
             train: PreTrainedModel | None = None,
-            grad_free: Callable[[], AbstractContextManager] = torch.inference_mode) -> float:
+            grad_free: Callable[[], AbstractContextManager] = torch.inference_mode,
+            packed: Callable[[], AbstractContextManager] = nullcontext) -> float:
     """Run `pass_` once over a 2-row dummy batch (one row padded) so a compiled pass compiles now, at load, instead
     of at its first request: without gradients for each of `models`, under `grad_free` (as the servers' Infer and
-    Score run; the actor's log-prob passes run under torch.no_grad), and forward and backward in grad mode for `train`
-    (as the critic's Train and the policy update run). The gradients are dropped: weights and optimizer state are
-    untouched. Returns the seconds it took."""
+    Score run; the actor's log-prob passes run under torch.no_grad) and `packed` (the prepacked weights those passes
+    compute through, serving.prepack, when they do), and forward and backward in grad mode for `train` (as the
+    critic's Train and the policy update run, on the plain layers). The gradients are dropped: weights and optimizer
+    state are untouched. Returns the seconds it took."""
     started = time.perf_counter()
     width = min(8, *(max_length_of(m) for m in [*models, *([train] if train is not None else [])]))
     tokens = (torch.arange(2 * width) % 2).view(2, width).to(device)  # ids 0 and 1 exist in every vocabulary
     lengths = torch.tensor([width, max(width - 2, 1)], device=device)
-    with grad_free():
+    with grad_free(), packed():
         for model in models:
             pass_(model, tokens, lengths)
     if train is not None and any(p.requires_grad for p in train.parameters()):

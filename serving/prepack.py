@@ -43,12 +43,12 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def prepacks_eager_passes(key: str, enabled: bool, compile_: bool, device: torch.device, dtype: torch.dtype,
-                          passes: str) -> bool:
-    """Whether a service's eager `passes` (named for the log) compute through prepacked weights: its setting `key`
-    (`enabled`) on, compile off (a compiled pass keeps its own graph over the plain layers), and a device and dtype
-    that can (`can_prepack`). Logs it when they do."""
-    on = enabled and not compile_ and can_prepack(device, dtype)
+def prepacks_passes(key: str, enabled: bool, device: torch.device, dtype: torch.dtype, passes: str) -> bool:
+    """Whether a service's no-grad `passes` (named for the log) compute through prepacked weights: its setting `key`
+    (`enabled`) on, and a device and dtype that can (`can_prepack`). Logs it when they do. Eager or compiled alike:
+    a compiled pass keeps the packed op as one call between its fused kernels, and dynamo keeps one graph for the
+    packed layers beside the one for the plain layers that passes with gradients (training) use."""
+    on = enabled and can_prepack(device, dtype)
     if on:
         log.info("%s=true: %s passes compute through linear weights prepacked for oneDNN", key, passes)
     return on
@@ -105,3 +105,12 @@ class KeptPacking:
         if self._held is not None:
             held, self._held = self._held, None
             held.close()
+
+    @contextlib.contextmanager
+    def packed(self) -> Iterator[None]:
+        """pack() for the block, release() after it (a compiled pass's warm-up on the packed layers)."""
+        self.pack()
+        try:
+            yield
+        finally:
+            self.release()

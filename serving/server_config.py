@@ -54,12 +54,14 @@ class ServerConfig(SecurityConfig):
                           "seconds on a CPU); on a CPU a Train micro-batch of over 4096 tokens compiles once more when "
                           "it first comes. On the CPU it needs a C++ compiler (g++ or "
                           "clang++), checked at start. Results equal eager ones up to float reduction order.")
-    prepack_weights: bool = Field(True, description="On a CPU in float32 with compile off, every torch.nn.Linear of "
+    prepack_weights: bool = Field(True, description="On a CPU in float32, every torch.nn.Linear of "
                                   "the model computes Infer and Score batches (the critic's combined reward model "
                                   "too) through a copy of its weight prepacked for oneDNN, made at the first batch "
                                   "after the weights last changed and kept until they change again (the critic's "
                                   "Train and Load; a reward model's never do): one more copy of those weights while "
-                                  "it is kept (false saves that memory). Train computes on the weights themselves. "
+                                  "it is kept (false saves that memory). With compile on, the compiled Infer and Score "
+                                  "passes call the packed layers between their fused kernels. Train computes on the "
+                                  "weights themselves. "
                                   "Results equal unpacked ones up to float rounding.")
     trust_remote_code: bool = Field(False, description="Let transformers run the model code a checkpoint ships (the auto_map of its config.json) for the model and tokenizer: only for checkpoints you trust. The critic copies those code files into its checkpoints.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig)

@@ -5,7 +5,8 @@ eager ones, and a machine that cannot compile is refused at start with the key n
 Compiling costs tens of seconds per process on a CPU, so one run covers the compiled passes of each kind: the
 actor's training (forward and backward), its reference log-prob pass and its decode step, the critic's Infer and
 Train, the reward server's Score. The servers compile at load, before ready; the run asserts they compile nothing
-after.
+after. The no-grad passes (log-probs, Infer, Score) compute through prepacked weights (`prepack_weights`, on by
+default) compiled as eager, so both runs cover that too.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
         assert ("decode step compiled in" in run.stderr) == compile_, run.stderr[-3000:]
         # the actor compiles its training and log-prob passes at start, too: its steps compile nothing more
         assert ("training and log-prob passes compiled in" in run.stderr) == compile_, run.stderr[-3000:]
+        # the no-grad passes compute through prepacked weights, compiled as eager (prepack_weights, on by default)
+        assert "prepack_weights=true: the log-prob passes compute through linear weights prepacked" in run.stderr
         if compile_:
             started = run.stderr.index("training and log-prob passes compiled in")
             assert "Recompiling" not in run.stderr[started:], run.stderr[started:][-3000:]
@@ -72,6 +75,7 @@ def run_ppo(tmp_path, name: str, log_dir, compile_: bool) -> list[dict]:
             log = server.log()
             ready = log.index(f"{server.name} ready")
             assert f"{passes} compiled in" in log[:ready], log[-3000:]
+            assert "prepack_weights=true: " in log[:ready], log[-3000:]
             assert "Recompiling" not in log[ready:], log[ready:][-3000:]
     finally:
         for s in servers:
