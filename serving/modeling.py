@@ -277,6 +277,11 @@ class PassLimits:
     tokens: int = 0
     width_multiple: int = 1
 
+    @classmethod
+    def of(cls, size: int | PassLimits, max_tokens: int = 0) -> PassLimits:
+        """`size` itself when it is a PassLimits, else at most `size` rows (at least 1) and `max_tokens` tokens."""
+        return size if isinstance(size, PassLimits) else cls(rows=max(1, size), tokens=max_tokens)
+
     def width(self, longest: int, cap: int | None = None) -> int:
         """A pass's width for its `longest` row: rounded up to width_multiple, at most `cap` (the batch's width)."""
         w = -(-longest // self.width_multiple) * self.width_multiple
@@ -291,7 +296,7 @@ def length_buckets(lengths: torch.Tensor, size: int | PassLimits, max_tokens: in
     longer row alone makes its own chunk), so long rows go in few to a pass and short ones in many. `size` may be a
     PassLimits instead, which then gives both (its rows 0: no row limit) and the width multiple the tokens are
     counted at."""
-    limits = size if isinstance(size, PassLimits) else PassLimits(rows=max(1, size), tokens=max_tokens)
+    limits = PassLimits.of(size, max_tokens)
     lengths = lengths.cpu()
     order = torch.argsort(lengths, descending=True, stable=True)
     most_rows = limits.rows if limits.rows > 0 else len(order)
@@ -315,7 +320,7 @@ def by_length(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: 
     multiple, within the batch's width), and gather the outputs back in row order on the CPU.
     `fn` returns [b] per row or [b, w - k] per position; positions past a bucket's width are 0 in the result
     ([B] or [B, S - k]). `observe`, when given, is called with each pass's padded tokens (b x w) before it runs."""
-    limits = size if isinstance(size, PassLimits) else PassLimits(rows=max(1, size), tokens=max_tokens)
+    limits = PassLimits.of(size, max_tokens)
     out = None
     for idx in length_buckets(lengths, limits):
         w = limits.width(int(lengths[idx].max()), tokens.shape[1])
