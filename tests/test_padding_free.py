@@ -7,6 +7,8 @@ relative (float32 sums in another order). Reused generation log-probs: at most R
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -178,3 +180,16 @@ def test_reused_generation_log_probs_are_within_their_stated_error(policy, tempe
     error = (r.logprobs - forward)[mask].abs().max()
     assert float(error) <= REUSE_MAX_ABS_ERROR
     assert (r.logprobs[~mask] == 0).all()
+
+
+def test_model_passes_bench_runs(capsys):
+    """`python -m bench.model_passes --quick`: every variant's log-probs checked against eager's and timed (figures
+    not checked: a tiny model)."""
+    from bench.model_passes import main
+
+    assert main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for way in ("eager", "eager, prepacked", "compiled", "compiled, prepacked"):
+        for rows in (2, 4):
+            assert re.search(rf"\n  {way}, passes of {rows} rows +[\d.]+ s\n", out), (way, rows, out)
+    assert len(re.findall(r"micro-batches of +\d+ rows +[\d.]+ s +[\d.]+ GFLOP/s \(\d+% of the peak\)", out)) == 2
