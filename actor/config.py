@@ -135,7 +135,7 @@ class PolicyConfig(StrictModel):
     model_name: str = Field("embedded:policy", description="SFT policy: Hugging Face causal-LM path or hub id, or embedded:policy.")
     reference_model_name: str | None = Field(None, description="Frozen reference policy for the KL term; defaults to model_name.")
     train_global_batch_size: int = Field(64, ge=1, description="Samples per policy optimizer step.")
-    train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
+    train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass (gradient accumulation); must divide train_global_batch_size, unless policy.dynamic_batching is enabled (tokens then cut the micro-batches).")
     logprob_batch_size: int = Field(8, ge=1, description="Samples per forward pass when computing rollout and reference log-probs.")
     generation_batch_size: int = Field(8, ge=1, description="Samples per generation call; each batch's critic and reward requests go out as soon as it is generated.")
     trust_remote_code: bool = Field(False, description="Let transformers run the model code a checkpoint ships (the auto_map of its config.json) for the policy, the reference and the tokenizer: only for checkpoints you trust.")
@@ -155,7 +155,8 @@ class PolicyConfig(StrictModel):
         if any(not s for s in self.generation.stop_strings or []):
             raise ValueError(f"policy.generation.stop_strings: every stop string must be non-empty, got "
                              f"{self.generation.stop_strings!r}")
-        if self.train_global_batch_size % self.train_micro_batch_size:
+        # rows cut the micro-batches only without dynamic batching (then tokens do, and the micro-batch size is unused)
+        if not self.dynamic_batching.enabled and self.train_global_batch_size % self.train_micro_batch_size:
             raise ValueError(f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                              f"policy.train_micro_batch_size ({self.train_micro_batch_size})")
         return self

@@ -53,6 +53,13 @@ def test_config_errors_name_the_key_and_what_is_allowed(override, words):
         assert w in str(err.value), (w, str(err.value))
 
 
+def test_the_micro_batch_need_not_divide_the_batch_when_tokens_cut_it():
+    cfg = load_config(ActorConfig, None, ["policy.train_micro_batch_size=5", "policy.dynamic_batching.enabled=true",
+                                          "policy.dynamic_batching.train_mb_tokens=512",
+                                          "policy.dynamic_batching.logprob_mb_tokens=1024"])
+    assert cfg.policy.train_micro_batch_size == 5 and cfg.policy.dynamic_batching.enabled
+
+
 def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(CriticConfig, tmp_path / "missing.yaml")
