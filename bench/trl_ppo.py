@@ -171,7 +171,8 @@ def wait_quiet(max_s: float, probe_s: float = 3.0) -> float | None:
 
 
 def disturbed(steps: list[dict], others: float | None) -> list[str]:
-    """Why a run's times look disturbed by other work (empty: they do not)."""
+    """Why a run's times are not to be trusted (empty: they are): other work on the cores, or steps so uneven that
+    one median says little (seen on a GPU with the cores idle)."""
     why = []
     if others is not None and others > DISTURBED_SHARE:
         why.append(f"others used {others:.0%} of the cores")
@@ -308,7 +309,9 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
         print(f"  median ours/TRL: {med_ratio:.2f}x (per round: {', '.join(f'{x:.2f}x' for x in ratios)}); "
               f"target >= {w.target}x: {verdict}")
         if any(r.get("ours_disturbed") or r.get("trl_disturbed") for r in rounds):
-            print("  WARNING: other work on the machine disturbed a round (flagged above): rerun before quoting")
+            print(f"  WARNING: a round is flagged above (other processes above {DISTURBED_SHARE:.0%} of the cores, or "
+                  f"measured steps spread over {DISTURBED_SPREAD:.2f}x, as launch-bound GPU steps can be with the "
+                  "cores idle): rerun before quoting")
     else:
         print("  ours/TRL: n/a (TRL side skipped)")
 
