@@ -21,7 +21,8 @@ codec's speed, and what dynamic batching gains, measured on this machine in one 
 3. Dynamic batching. 8 client threads, each with a CriticClient of its own, send Infer requests back to back for
    --seconds to the server above (default batching, or batching.max_queue_delay_ms=MS with --queue-delay-ms) and to
    one started with batching.max_batch_size=1 (one request per forward pass: batching off); rounds alternate. Each
-   round also gives the CPU time a request took in the server process and in this one (the clients). Target: median
+   round also gives the CPU time a request took in the server process and in this one (the clients), and from the
+   server's /metrics the wall time per batch against the part of it its model worker computed. Target: median
    throughput ratio >= 3. Two workloads: requests of 1 row x 272 tokens (the issue's example) and of 1 x 16 (small
    enough that per-pass overhead, which is what batching saves, dominates). Each comes with the most batching could gain on it, measured in process: 8 forward
    passes of one request against 8 rows in the server's passes (8 x 272 tokens are two: 7 rows and 1); a gain
@@ -160,10 +161,17 @@ def infer_seconds(client: CriticClient, tokens: torch.Tensor, lengths: torch.Ten
 
 
 # --- 3. batching ------------------------------------------------------------------------------------------------
-def batch_stats(server: ServiceProcess) -> tuple[float, float]:
-    """(rows, batches) the server's model worker has run for Infer so far."""
+COMPUTE_PARTS = ("merge, passes, split; its /metrics; the rest is the replies, the clients' next requests and the "
+                 "batch forming")
+
+
+def batch_stats(server: ServiceProcess) -> tuple[float, float, float, float, float]:
+    """What the server's model worker has done for Infer so far, from its /metrics: (rows, batches, seconds of
+    batches computing, requests, seconds requests waited in its queue)."""
     batches, rows = histogram_stats(server, "ppo_critic_batch_size", "Infer")
-    return rows, batches
+    _, compute_s = histogram_stats(server, "ppo_critic_compute_duration_seconds", "Infer")
+    queued, queue_s = histogram_stats(server, "ppo_critic_queue_duration_seconds", "Infer")
+    return rows, batches, compute_s, queued, queue_s
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -181,13 +189,16 @@ class Throughput:
     rows_per_batch: float  # mean rows the server ran per batch
     server_cpu: float  # the server process's CPU seconds per request (every thread of it, both torch threads)
     client_cpu: float  # this process's CPU seconds per request (the client threads' encoding, gRPC and decoding)
+    batch_s: float  # wall seconds per batch: batches / wall time
+    compute_s: float  # of which the server's model worker computed (merge, forward passes, split), per batch
+    queue_s: float  # seconds a request waited in the server's queue for its batch to start, mean
 
 
 def throughput(server: ServiceProcess, clients: list[CriticClient], request: tuple[torch.Tensor, torch.Tensor],
                seconds: float) -> Throughput:
     """len(clients) threads send `request` back to back for `seconds` (each at least once), counting every request
     sent and the time until the last reply."""
-    rows0, batches0 = batch_stats(server)
+    before = batch_stats(server)
     done = [0] * len(clients)
     errors: list[BaseException] = []
     go = threading.Barrier(len(clients) + 1)
@@ -217,9 +228,10 @@ def throughput(server: ServiceProcess, clients: list[CriticClient], request: tup
     server_cpu, client_cpu = process_cpu_seconds(server.proc.pid) - server_cpu, time.process_time() - client_cpu
     if errors:
         raise RuntimeError(f"a batching client failed: {errors[0]}")
-    rows1, batches1 = batch_stats(server)
-    n = sum(done)
-    return Throughput(n / wall, (rows1 - rows0) / max(batches1 - batches0, 1), server_cpu / n, client_cpu / n)
+    rows, batches, compute_s, queued, queue_s = (b - a for a, b in zip(before, batch_stats(server), strict=True))
+    n, batches = sum(done), max(batches, 1)
+    return Throughput(n / wall, rows / batches, server_cpu / n, client_cpu / n, wall / batches, compute_s / batches,
+                      queue_s / max(queued, 1))
 
 
 def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple[int, int], rounds: int,
@@ -250,6 +262,9 @@ def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple
                   f"server {a.server_cpu * 1000:.2f} ms, clients {a.client_cpu * 1000:.2f} ms), off {b.rate:7.1f} req/s "
                   f"(server {b.server_cpu * 1000:.2f} ms, clients {b.client_cpu * 1000:.2f} ms), gain {gains[-1]:.2f}x",
                   flush=True)
+            print(f"           a batch every {a.batch_s * 1000:.1f} ms on, of which {a.compute_s * 1000:.1f} computing "
+                  f"(queue wait {a.queue_s * 1000:.2f} ms a request); off: every {b.batch_s * 1000:.1f} ms, "
+                  f"{b.compute_s * 1000:.1f} computing", flush=True)
     finally:
         for p in (on, off):
             for c in clients[p]:
@@ -263,6 +278,7 @@ def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple
         return (f"CPU a request: server {median(p, 'server_cpu') * 1000:.2f} ms, clients "
                 f"{median(p, 'client_cpu') * 1000:.2f} ms")
 
+    on_batch, on_compute = median(on, "batch_s"), median(on, "compute_s")
     verdict = "pass" if gain >= 3.0 else ("FAIL" if ceiling >= 3.0 else f"FAIL (at most {ceiling:.2f}x possible)")
     ceiling_name = (f"in process, {what}: {CLIENTS} forward passes of {rb} x {rs} / {CLIENTS * rb} x {rs} in the "
                     f"server's passes (the most batching can gain)")
@@ -273,6 +289,8 @@ def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple
         (on_name, f"{median(on, 'rate'):.1f} req/s", "", None),
         (f"Infer throughput, {what}, batching off (batching.max_batch_size=1; {cpu(off)})",
          f"{median(off, 'rate'):.1f} req/s", "", None),
+        (f"batching on, {what}: wall time a batch / the server's compute time in it ({COMPUTE_PARTS})",
+         f"{on_batch * 1000:.1f} / {on_compute * 1000:.1f} ms", "", None),
         (f"Infer throughput gain of batching, {what} (median of {rounds} rounds of {seconds:g} s)", f"{gain:.2f}x",
          ">= 3x", verdict),
     ]

@@ -33,8 +33,12 @@ def test_quick_run_prints_every_measurement():
             rf"in process, {what}: 8 forward passes .*x",
             rf"Infer throughput, {what}, batching on .* req/s",
             rf"Infer throughput, {what}, batching off .* req/s",
+            rf"batching on, {what}: wall time a batch / the server.s compute time in it .* \| [\d.]+ / [\d.]+ ms",
             rf"Infer throughput gain of batching, {what} .*x \| >= 3x \| (pass|FAIL)",
         ]
     assert len(rows) == len(expected), out
     for row, pattern in zip(rows, expected, strict=True):
         assert re.search(pattern, row), (pattern, row)
+    for row in rows:  # the server computes during part of each batch's wall time, never more
+        if m := re.search(r"wall time a batch .* \| ([\d.]+) / ([\d.]+) ms", row):
+            assert 0 < float(m[2]) <= float(m[1]), row
