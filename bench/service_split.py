@@ -161,10 +161,6 @@ def infer_seconds(client: CriticClient, tokens: torch.Tensor, lengths: torch.Ten
 
 
 # --- 3. batching ------------------------------------------------------------------------------------------------
-COMPUTE_PARTS = ("merge, passes, split; its /metrics; the rest is the replies, the clients' next requests and the "
-                 "batch forming")
-
-
 def batch_stats(server: ServiceProcess) -> tuple[float, float, float, float, float]:
     """What the server's model worker has done for Infer so far, from its /metrics: (rows, batches, seconds of
     batches computing, requests, seconds requests waited in its queue)."""
@@ -189,7 +185,7 @@ class Throughput:
     rows_per_batch: float  # mean rows the server ran per batch
     server_cpu: float  # the server process's CPU seconds per request (every thread of it, both torch threads)
     client_cpu: float  # this process's CPU seconds per request (the client threads' encoding, gRPC and decoding)
-    batch_s: float  # wall seconds per batch: batches / wall time
+    batch_s: float  # wall seconds per batch: wall time / batches
     compute_s: float  # of which the server's model worker computed (merge, forward passes, split), per batch
     queue_s: float  # seconds a request waited in the server's queue for its batch to start, mean
 
@@ -289,7 +285,8 @@ def batching_rows(model, on: ServiceProcess, off: ServiceProcess, request: tuple
         (on_name, f"{median(on, 'rate'):.1f} req/s", "", None),
         (f"Infer throughput, {what}, batching off (batching.max_batch_size=1; {cpu(off)})",
          f"{median(off, 'rate'):.1f} req/s", "", None),
-        (f"batching on, {what}: wall time a batch / the server's compute time in it ({COMPUTE_PARTS})",
+        ((f"batching on, {what}: wall time a batch / the server's compute time in it (merge, passes, split; its "
+          "/metrics; the rest is the replies, the clients' next requests and the batch forming)"),
          f"{on_batch * 1000:.1f} / {on_compute * 1000:.1f} ms", "", None),
         (f"Infer throughput gain of batching, {what} (median of {rounds} rounds of {seconds:g} s)", f"{gain:.2f}x",
          ">= 3x", verdict),
