@@ -5,6 +5,8 @@ docs/PERFORMANCE.md's "Prepacked weights" and "Forward passes cut by tokens" par
     python -m bench.model_passes [--rounds 3] [--width 272] [--rows 4,16] [--train-rows 2,8,16] [--threads 1]
         [--no-compile] [--quick]
 
+--no-compile leaves out every compiled variant (log-prob passes and training).
+
 The model is the TRL bench's policy (bench/trl_models.py, built locally: a Llama of hidden 256, 6 layers); the batch
 64 rows of `--width` tokens, none padded. Two measurements, each in alternating rounds (every variant once a round),
 median seconds:
@@ -13,9 +15,13 @@ median seconds:
              (`actor.rollouts.RolloutCollector.logprobs`), in passes of R rows for each R in --rows, four ways:
              eager, eager on prepacked weights, compiled (`policy.compile`), compiled on prepacked weights. Every
              variant's log-probs are checked against eager's (1e-4) before anything is timed.
-  training   a forward and backward of the batch in micro-batches of R rows for each R in --train-rows (eager, as
-             the policy update; a sum of log-probs as the loss), with the model FLOPs (6 x matmul parameters x
-             tokens) per second against the torch.mm peak at the same thread count, measured in the same run.
+  training   a forward and backward of the batch in micro-batches of R rows for each R in --train-rows, eager and
+             compiled (as the policy update runs with `policy.compile` off and on; a sum of log-probs as the loss),
+             with the model FLOPs (6 x matmul parameters x tokens) per second against the torch.mm peak at the same
+             thread count, measured in the same run. Then one more training of the last variant under the torch
+             profiler, split by self CPU time into matmuls, attention, the compiled graph's fused kernels and the
+             rest, with the matmuls' own rate (the model FLOPs over their time) against the peak: how close
+             training is to the machine's limit, and what the rest of its time is.
 
 --threads 1 is how the bench's actor computes these passes beside the servers (num_threads_shared). --quick runs
 the tiny model at tiny sizes to check that the command runs (tests/test_padding_free.py); its figures say nothing.
@@ -39,7 +45,7 @@ from actor.tracking import Timers
 from algorithms import logprobs_from_logits
 from bench.trl_models import ensure_built, matmul_params
 from bench.trl_ppo import matmul_peak
-from serving.modeling import PassLimits, causal_lm_logits, compiled, length_buckets
+from serving.modeling import ModelPass, PassLimits, causal_lm_logits, compiled, length_buckets
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -78,15 +84,44 @@ def logprob_variants(model, tokens: torch.Tensor, lengths: torch.Tensor, rows: l
     return variants
 
 
-def training_variant(model, tokens: torch.Tensor, lengths: torch.Tensor, rows: int) -> Callable[[], None]:
+def training_variant(model, tokens: torch.Tensor, lengths: torch.Tensor, rows: int,
+                     logits: ModelPass = causal_lm_logits) -> Callable[[], None]:
     def run() -> None:
         for idx in length_buckets(lengths, rows):
             tok = tokens[idx]
-            lp = logprobs_from_logits(causal_lm_logits(model, tok, lengths[idx])[:, :-1].float(), tok[:, 1:])
+            lp = logprobs_from_logits(logits(model, tok, lengths[idx])[:, :-1].float(), tok[:, 1:])
             lp.sum().backward()
         model.zero_grad(set_to_none=True)
 
     return run
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def training_split(run: Callable[[], None], flops: float, peak: float) -> None:
+    """Profile one call of `run` (a training variant) and print its self CPU time by kind, and the matmuls' rate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    ms = {"matmuls": 0.0, "attention (forward and backward)": 0.0, "the compiled graph's fused kernels": 0.0}
+    total = 0.0
+    for event in prof.key_averages():
+        t = event.self_cpu_time_total / 1e3
+        total += t
+        if event.key in MATMULS:
+            ms["matmuls"] += t
+        elif "scaled_dot_product" in event.key:
+            ms["attention (forward and backward)"] += t
+        elif event.key.startswith("## Call CompiledFxGraph"):
+            ms["the compiled graph's fused kernels"] += t
+    ms["the rest (eager pointwise ops, loss, autograd, Python)"] = total - sum(ms.values())
+    for what, t in ms.items():
+        print(f"    {what:<56} {t:9.1f} ms  ({t / total:4.0%})")
+    if ms["matmuls"] > 0:
+        rate = flops / (ms["matmuls"] / 1e3)
+        print(f"    the matmuls alone: {rate / 1e9:.1f} GFLOP/s ({rate / peak:.0%} of the peak)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,13 +158,20 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = matmul_peak(args.threads, 512 if args.quick else 2048)
     flops = 6 * matmul_params(model.config, model.config.vocab_size) * tokens.numel()
-    rows = parse_sizes(args.train_rows)
-    timed = alternating({r: training_variant(model, tokens, lengths, r) for r in rows}, args.rounds)
-    print(f"\ntraining forward and backward, eager, median seconds (torch.mm peak at {args.threads} thread(s): "
+    ways: dict[str, ModelPass] = {"eager": causal_lm_logits}
+    if not args.no_compile:
+        ways["compiled"] = compiled(causal_lm_logits, True, "--compile", torch.device("cpu"))
+    runs = {f"{way}, micro-batches of {r} rows": training_variant(model, tokens, lengths, r, fn)
+            for r in parse_sizes(args.train_rows) for way, fn in ways.items()}
+    timed = alternating(runs, args.rounds)
+    print(f"\ntraining forward and backward, median seconds (torch.mm peak at {args.threads} thread(s): "
           f"{peak / 1e9:.0f} GFLOP/s):")
-    for r, seconds in timed.items():
-        print(f"  micro-batches of {r:>3} rows {seconds:7.3f} s  {flops / seconds / 1e9:6.1f} GFLOP/s "
-              f"({flops / seconds / peak:.0%} of the peak)")
+    for name, seconds in timed.items():
+        print(f"  {name:<40} {seconds:7.3f} s  {flops / seconds / 1e9:6.1f} GFLOP/s ({flops / seconds / peak:.0%} of "
+              f"the peak)")
+    last = list(runs)[-1]
+    print(f"\nwhere its time goes, {last} (one more call, under the torch profiler; self CPU time):")
+    training_split(runs[last], flops, peak)
     return 0
 
 

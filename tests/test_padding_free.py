@@ -183,8 +183,8 @@ def test_reused_generation_log_probs_are_within_their_stated_error(policy, tempe
 
 
 def test_model_passes_bench_runs(capsys):
-    """`python -m bench.model_passes --quick`: every variant's log-probs checked against eager's and timed (figures
-    not checked: a tiny model)."""
+    """`python -m bench.model_passes --quick`: every variant's log-probs checked against eager's and timed, training
+    eager and compiled, and the profiled split of the last (figures not checked: a tiny model)."""
     from bench.model_passes import main
 
     assert main(["--quick"]) == 0
@@ -192,4 +192,11 @@ def test_model_passes_bench_runs(capsys):
     for way in ("eager", "eager, prepacked", "compiled", "compiled, prepacked"):
         for rows in (2, 4):
             assert re.search(rf"\n  {way}, passes of {rows} rows +[\d.]+ s\n", out), (way, rows, out)
-    assert len(re.findall(r"micro-batches of +\d+ rows +[\d.]+ s +[\d.]+ GFLOP/s \(\d+% of the peak\)", out)) == 2
+    for way in ("eager", "compiled"):
+        for rows in (2, 4):
+            line = rf"\n  {way}, micro-batches of {rows} rows +[\d.]+ s +[\d.]+ GFLOP/s \(\d+% of the peak\)\n"
+            assert re.search(line, out), (way, rows, out)
+    split = out.split("where its time goes, compiled, micro-batches of 4 rows")[1]
+    shares = [int(s) for s in re.findall(r" ms  \( *(\d+)%\)", split)]
+    assert len(shares) == 4 and 97 <= sum(shares) <= 103, split  # matmuls, attention, fused kernels, the rest
+    assert re.search(r"the matmuls alone: [\d.]+ GFLOP/s \(\d+% of the peak\)", split), split
