@@ -1,6 +1,7 @@
 """The actor's passes over whole sequences, timed in one process: how a batch is cut into passes, and whether the
-no-grad passes run eager or compiled, on the plain layers or on weights prepacked for oneDNN. The figures behind
-docs/PERFORMANCE.md's "Prepacked weights" and "Forward passes cut by tokens" paragraphs.
+no-grad passes run eager or compiled, on the plain layers or on weights prepacked for oneDNN, and how close training
+is to the machine's limit. The figures behind docs/PERFORMANCE.md's "Prepacked weights" and "Forward passes cut by
+tokens" paragraphs, and its W1 phases against the limit.
 
     python -m bench.model_passes [--rounds 3] [--width 272] [--rows 4,16] [--train-rows 2,8,16] [--threads 1]
         [--no-compile] [--quick]
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from actor.rollouts import RolloutCollector
 from actor.tracking import Timers
 from algorithms import logprobs_from_logits
+from bench.generation import MATMULS
 from bench.trl_models import ensure_built, matmul_params
 from bench.trl_ppo import matmul_peak
 from serving.modeling import ModelPass, PassLimits, causal_lm_logits, compiled, length_buckets
@@ -94,9 +96,6 @@ def training_variant(model, tokens: torch.Tensor, lengths: torch.Tensor, rows: i
         model.zero_grad(set_to_none=True)
 
     return run
-
-
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def training_split(run: Callable[[], None], flops: float, peak: float) -> None:
