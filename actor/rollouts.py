@@ -197,7 +197,7 @@ class RolloutCollector:
         rows, or policy.dynamic_batching's tokens)."""
         def pass_(tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
             logits = self.logits(model, tok, n)
-            lp = logprobs_from_logits(logits[:, :-1].float(), tok[:, 1:])
+            lp = logprobs_from_logits(logits[:, :-1], tok[:, 1:], dtype=torch.float32)  # float32 a row at a time
             return lp * attention_mask_from_lengths(n - 1, lp.shape[1])
 
         first = length_buckets(lengths, self.logprob_passes)[0]  # the widest pass: the rows the weights are packed for

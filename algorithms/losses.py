@@ -265,7 +265,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.stack(rows) if rows else logits.new_zeros(logits.shape[:-1])
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+def logprobs_from_logits(logits: Tensor, labels: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Log-probability of each label under the softmax of its logits.
 
     Equal to ``log_softmax(logits).gather(-1, labels)``, computed one batch row at a time; in fp32/fp64 as
@@ -274,12 +274,17 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     Args:
         logits: float [B, T, V].
         labels: int64 [B, T], token ids in ``[0, V)``.
+        dtype: compute in this dtype, each row converted on its own: bf16 logits with ``dtype=torch.float32`` give
+            the same values as ``logits.float()`` would, without a float32 copy of the whole [B, T, V] tensor
+            (for a large vocabulary, gigabytes). Default: ``logits.dtype``.
 
     Returns:
-        Float [B, T] in ``logits.dtype``.
+        Float [B, T] in ``dtype`` (default ``logits.dtype``).
     """
+    dtype = dtype or logits.dtype
     rows = []
     for row_logits, row_labels in zip(logits, labels, strict=True):
+        row_logits = row_logits.to(dtype)
         index = row_labels.unsqueeze(-1)
         if row_logits.dtype in (torch.float32, torch.float64):
             picked = row_logits.gather(-1, index).squeeze(-1)
@@ -287,4 +292,4 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
         else:
             # logsumexp loses too much precision in bf16/fp16; a per-row log_softmax is still small
             rows.append(F.log_softmax(row_logits, dim=-1).gather(-1, index).squeeze(-1))
-    return torch.stack(rows) if rows else logits.new_zeros(logits.shape[:-1])
+    return torch.stack(rows) if rows else logits.new_zeros(logits.shape[:-1], dtype=dtype)

@@ -440,6 +440,19 @@ def test_logprobs_from_logits_hand_computed() -> None:
     close(logprobs_from_logits(logits, labels), [[-0.2876821, -1.3862944]])
 
 
+def test_logprobs_from_logits_in_float32_a_row_at_a_time_equals_upcasting_the_whole_tensor() -> None:
+    """dtype=float32 on bf16 logits (the actor's no-grad log-prob passes in bf16): the same values, bit for bit, as
+    converting the whole [B, T, V] tensor first, which holds a float32 copy of it."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 5, 17, generator=gen) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, 17, (3, 5), generator=gen)
+    got = logprobs_from_logits(logits[:, :-1], labels[:, 1:], dtype=torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, logprobs_from_logits(logits[:, :-1].float(), labels[:, 1:]))
+    empty = logprobs_from_logits(logits[:0], labels[:0], dtype=torch.float32)
+    assert empty.shape == (0, 5) and empty.dtype == torch.float32
+
+
 # bf16 keeps 8 mantissa bits: the output itself is only good to about 0.4% (rtol), e.g. -16.38 vs -16.32
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_logprobs_from_logits_matches_log_softmax_gather(dtype: torch.dtype, tol: float) -> None:
