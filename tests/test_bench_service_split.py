@@ -35,6 +35,8 @@ def test_quick_run_prints_every_measurement():
             rf"Infer throughput, {what}, batching off .* req/s",
             rf"batching on, {what}: wall time a batch / the server.s compute time in it .* \| [\d.]+ / [\d.]+ ms",
             rf"Infer throughput gain of batching, {what} .*x \| >= 3x \| (pass|FAIL)",
+            (rf"Infer throughput gain of batching, {what}, each client keeping 2 requests in flight \(median of 1 "
+             r"rounds .* rows per batch\) \| [\d.]+x \([\d.]+ / [\d.]+ req/s\) \|  \|"),
         ]
     assert len(rows) == len(expected), out
     for row, pattern in zip(rows, expected, strict=True):
