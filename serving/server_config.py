@@ -25,7 +25,9 @@ class BatchingConfig(StrictModel):
         10.0, ge=0, description="Longest a partial batch waits for more rows. It waits only while fewer requests of its "
         "method are in it than were in the server at once since that method's last batch (callers that call back to "
         "back, whose next requests follow the replies just sent) and closes as soon as they are in; a lone caller never "
-        "waits. 0: take only what is queued.")
+        "waits. 0: take only what is queued. Callers that keep two or more requests in flight keep the model busy while "
+        "replies and new requests cross, where callers that wait for each reply leave it idle then (docs/PERFORMANCE.md, "
+        "\"The service split\").")
     max_queue_size: int = Field(1024, ge=1, description="Queued requests beyond which new ones get RESOURCE_EXHAUSTED.")
 
 
