@@ -131,6 +131,25 @@ def decode_report(totals: GenerationStats, before: GenerationStats, rounds: int,
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
+def self_cpu_by_kind(prof, labels: tuple[str, str, str, str]) -> tuple[dict[str, float], float]:
+    """A torch profile's self CPU milliseconds by kind, keyed by `labels`: the matmuls, the attention kernels, the
+    compiled graph's fused kernels and everything else; and their total."""
+    matmul, attention, fused, rest = labels
+    ms = {matmul: 0.0, attention: 0.0, fused: 0.0}
+    total = 0.0
+    for event in prof.key_averages():
+        t = event.self_cpu_time_total / 1e3
+        total += t
+        if event.key in MATMULS:
+            ms[matmul] += t
+        elif "scaled_dot_product" in event.key:
+            ms[attention] += t
+        elif event.key.startswith("## Call CompiledFxGraph"):
+            ms[fused] += t
+    ms[rest] = total - sum(ms.values())
+    return ms, total
+
+
 def profile_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int, eos: int | None, size: Size) -> None:
     """Where one of our generations spends its time, per decode step: the profiler's self CPU time of the matmuls,
     the attention kernels, the compiled graph's fused kernels and everything else. Without a stop token, also the rate
@@ -144,18 +163,8 @@ def profile_ours(backend: TorchGenerationBackend, prompts: torch.Tensor, n: int,
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         seconds, _ = run_ours(backend, prompts, n, eos, seed=20_000)
     steps = max(backend.last_stats.decode_steps, 1)
-    ms = {"matmul": 0.0, "attention": 0.0, "compiled graph's fused kernels": 0.0}
-    total = 0.0
-    for event in prof.key_averages():
-        t = event.self_cpu_time_total / 1e3
-        total += t
-        if event.key in MATMULS:
-            ms["matmul"] += t
-        elif "scaled_dot_product" in event.key:
-            ms["attention"] += t
-        elif event.key.startswith("## Call CompiledFxGraph"):
-            ms["compiled graph's fused kernels"] += t
-    ms["everything else (eager pointwise ops, sampling, Python, guards, cache writes)"] = total - sum(ms.values())
+    ms, total = self_cpu_by_kind(prof, ("matmul", "attention", "compiled graph's fused kernels",
+                                        "everything else (eager pointwise ops, sampling, Python, guards, cache writes)"))
     print(f"  profile of one generation of ours ({steps} decode steps, {seconds:.2f} s under the profiler), "
           f"milliseconds per decode step (the prefill included):")
     for what, t in ms.items():

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from actor.rollouts import RolloutCollector
 from actor.tracking import Timers
 from algorithms import logprobs_from_logits
-from bench.generation import MATMULS
+from bench.generation import self_cpu_by_kind
 from bench.trl_models import ensure_built, matmul_params
 from bench.trl_ppo import matmul_peak
 from serving.modeling import ModelPass, PassLimits, causal_lm_logits, compiled, length_buckets
@@ -104,18 +104,9 @@ def training_split(run: Callable[[], None], flops: float, peak: float) -> None:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
-    ms = {"matmuls": 0.0, "attention (forward and backward)": 0.0, "the compiled graph's fused kernels": 0.0}
-    total = 0.0
-    for event in prof.key_averages():
-        t = event.self_cpu_time_total / 1e3
-        total += t
-        if event.key in MATMULS:
-            ms["matmuls"] += t
-        elif "scaled_dot_product" in event.key:
-            ms["attention (forward and backward)"] += t
-        elif event.key.startswith("## Call CompiledFxGraph"):
-            ms["the compiled graph's fused kernels"] += t
-    ms["the rest (eager pointwise ops, loss, autograd, Python)"] = total - sum(ms.values())
+    ms, total = self_cpu_by_kind(prof, ("matmuls", "attention (forward and backward)",
+                                        "the compiled graph's fused kernels",
+                                        "the rest (eager pointwise ops, loss, autograd, Python)"))
     for what, t in ms.items():
         print(f"    {what:<56} {t:9.1f} ms  ({t / total:4.0%})")
     if ms["matmuls"] > 0:
