@@ -128,7 +128,8 @@ def decode_report(totals: GenerationStats, before: GenerationStats, rounds: int,
     return line + ("" if new_graphs is None else f"; graphs compiled in this setting, warm-up included: {new_graphs}")
 
 
-MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
+# the matmul ops, the packed layers' oneDNN linear included (serving.prepack: generation computes through it)
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 
 
 def self_cpu_by_kind(prof, labels: tuple[str, str, str, str]) -> tuple[dict[str, float], float]:
