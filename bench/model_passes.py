@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="4,16", help="rows a log-prob pass, comma-separated")
     parser.add_argument("--train-rows", default="2,8,16", help="rows a training micro-batch, comma-separated")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled log-prob variants")
+    parser.add_argument("--no-compile", action="store_true", help="leave out every compiled variant (log-prob passes and training)")
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes: only checks the command runs")
     args = parser.parse_args(argv)
     if args.quick:
