@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from serving.modeling import computing_in, pad_and_stack, require_compiler, right_pad
+from serving.modeling import CompileUnavailable, computing_in, pad_and_stack, require_compiler, right_pad
 from serving.prepack import can_prepack, prepacked_linears
 
 from .stop_strings import StopStringMatcher
@@ -225,9 +225,48 @@ class PreallocatedCache(Cache):
         super().__init__(layers=layers)
 
 
-def preallocated_cache_for(model: PreTrainedModel, max_cache_len: int) -> PreallocatedCache | None:
-    """A `PreallocatedCache` for `model`, or None where transformers' `DynamicCache` for it has layers other than full
-    attention and sliding windows longer than `max_cache_len` (a window that slides, linear attention, KV sharing...)."""
+class _StaticLayer(StaticLayer):
+    """transformers' `StaticLayer` with the values' buffer in the values' own dtype: under autocast a model can hand
+    the cache float32 keys (rotary embeddings computed in float32) and bfloat16 values."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self.values.dtype != value_states.dtype:
+            self.values = self.values.to(value_states.dtype)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.values)
+
+
+class StaticShapeCache(Cache):
+    """A `Cache` of transformers' `StaticLayer`s: every decode step attends over the whole buffer of `max_cache_len`
+    positions (the causal mask hides those not yet written) and writes at a position held in a device tensor, so each
+    step has the same shapes and reads no position from the host: a CUDA graph of the step can be replayed. It costs
+    attention over the unwritten positions too (nothing on a launch-bound GPU step, a real cost on a CPU) and keeps
+    finished rows in the batch (no compaction). Reused, with `reset`, for every generation of the same batch and
+    length, so its buffers keep their addresses from one generation to the next. Sliding windows as in
+    `PreallocatedCache` (longer than `max_cache_len`, so they never slide)."""
+
+    def __init__(self, max_cache_len: int, sliding_windows: list[int | None]):
+        layers = []
+        for window in sliding_windows:
+            layer = _StaticLayer(max_cache_len)
+            if window is not None:
+                if window <= max_cache_len:
+                    raise ValueError(f"a sliding window of {window} would slide within {max_cache_len} tokens")
+                layer.is_sliding, layer.sliding_window = True, window
+            layers.append(layer)
+        super().__init__(layers=layers)
+        self.max_cache_len = max_cache_len
+
+    def filled(self) -> list[int]:
+        """Positions written so far, per layer (a host sync)."""
+        return [int(layer.get_seq_length()) for layer in self.layers]
+
+
+def cache_layer_windows(model: PreTrainedModel, max_cache_len: int) -> list[int | None] | None:
+    """Per decoder layer, None for full attention or the window of a sliding-window layer whose window is longer than
+    `max_cache_len`; None where transformers' `DynamicCache` for `model` has other layers (a window that slides,
+    linear attention, KV sharing...) or none."""
     supports = getattr(type(model), "_supports_default_dynamic_cache", None)
     if supports is not None and not supports():
         return None
@@ -243,6 +282,13 @@ def preallocated_cache_for(model: PreTrainedModel, max_cache_len: int) -> Preall
             windows.append(layer.sliding_window)
         else:
             return None
+    return windows or None
+
+
+def preallocated_cache_for(model: PreTrainedModel, max_cache_len: int) -> PreallocatedCache | None:
+    """A `PreallocatedCache` for `model`, or None where transformers' `DynamicCache` for it has layers other than full
+    attention and sliding windows longer than `max_cache_len` (a window that slides, linear attention, KV sharing...)."""
+    windows = cache_layer_windows(model, max_cache_len)
     return PreallocatedCache(max_cache_len, windows) if windows else None
 
 
@@ -318,7 +364,9 @@ class TorchGenerationBackend:
     Prompts are left-padded so every row's next token sits in the same cache column. The KV cache is pre-allocated
     for prompt + max_new_tokens (`PreallocatedCache`: written in place, attention over the filled prefix only); models
     whose cache layers are not plain full attention, or that do not fill the cache they are given, fall back
-    automatically to transformers' `DynamicCache` (`kv_cache="dynamic"` forces it). The attention mask is allocated
+    automatically to transformers' `DynamicCache` (`kv_cache="dynamic"` forces it). `kv_cache="static"` decodes on
+    `StaticShapeCache` instead (every step the same shapes, finished rows kept in the batch), which `cuda_graphs`
+    (on a CUDA device) replays as CUDA graphs of the compiled decode step. The attention mask is allocated
     once and sliced; the prefill computes logits for the last position only. On a CPU in float32 (`prepack`, the
     default), the linear layers compute through weights prepacked for oneDNN for the length of each generation
     (`serving.prepack`).
@@ -338,9 +386,15 @@ class TorchGenerationBackend:
 
     def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device, *, kv_cache: str = "auto",
                  compact_below: float = 0.75, tokenizer: PreTrainedTokenizerBase | None = None,
-                 compile_decode: bool = False, compute_dtype: torch.dtype = torch.float32, prepack: bool = True):
-        if kv_cache not in ("auto", "dynamic"):
-            raise ValueError(f"kv_cache must be 'auto' or 'dynamic', got {kv_cache!r}")
+                 compile_decode: bool = False, compute_dtype: torch.dtype = torch.float32, prepack: bool = True,
+                 cuda_graphs: bool = False):
+        if kv_cache not in ("auto", "dynamic", "static"):
+            raise ValueError(f"kv_cache must be 'auto', 'dynamic' or 'static', got {kv_cache!r}")
+        if cuda_graphs:  # CUDA graphs replay fixed shapes and addresses: the static-shape cache, compiled
+            if device.type != "cuda":
+                raise CompileUnavailable(f"policy.generation.cuda_graphs=true: CUDA graphs need a CUDA device, and the "
+                                         f"policy is on {device} (policy.device); or set policy.generation.cuda_graphs=false")
+            kv_cache, compile_decode = "static", True
         if not 0.0 <= compact_below <= 1.0:
             raise ValueError("compact_below must be in [0, 1]")
         self.model = model
@@ -359,11 +413,18 @@ class TorchGenerationBackend:
         self.prepack = prepack and can_prepack(device, compute_dtype)
         # the decode step through torch.compile on the pre-allocated cache, for batches of 2 rows or more (dynamo
         # compiles a dimension of size 1 apart: a lone row runs eager); prefill and DynamicCache stay eager
+        # cuda_graphs: compiled with mode="reduce-overhead" (inductor's CUDA graph trees: one graph recorded per batch
+        # size and cache length, replayed as one launch) on the static-shape cache (StaticShapeCache), reused across
+        # generations of the same shape so that its buffers keep their addresses
+        self.cuda_graphs = cuda_graphs
         self.compiled_step = None
         if compile_decode:
-            require_compiler("policy.generation.compile", device)
-            self.compiled_step = first_call_logged(torch.compile(decode_step, dynamic=True),
-                                                   "policy.generation.compile=true: decode step compiled")
+            require_compiler("policy.generation.cuda_graphs" if cuda_graphs else "policy.generation.compile", device)
+            what = ("policy.generation.cuda_graphs=true: decode step compiled and its CUDA graph recorded" if cuda_graphs
+                    else "policy.generation.compile=true: decode step compiled")
+            mode = "reduce-overhead" if cuda_graphs else None
+            self.compiled_step = first_call_logged(torch.compile(decode_step, dynamic=True, mode=mode), what)
+        self._static_cache: tuple[tuple, StaticShapeCache] | None = None  # the last one, by (model, batch, length)
         self.last_stats = GenerationStats()
         self.totals = GenerationStats()  # summed over every generate call (GenerationCounts reports them per step)
         self._no_preallocated: set[type] = set()  # model classes that failed on the pre-allocated cache
@@ -412,7 +473,9 @@ class TorchGenerationBackend:
             packed = prepacked_linears(self.model, b, enabled=self.prepack)
             with computing_in(self.device, self.compute_dtype), packed:
                 cache = None
-                if self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:
+                if self.kv_cache == "static" and type(self.model) not in self._no_preallocated:
+                    cache = self._static_cache_for(b, p_max + params.max_new_tokens)
+                elif self.kv_cache == "auto" and type(self.model) not in self._no_preallocated:
                     cache = preallocated_cache_for(self.model, p_max + params.max_new_tokens)
                 out = None
                 if cache is not None:
@@ -420,6 +483,7 @@ class TorchGenerationBackend:
                         out = self._decode(ids, attn, params, seed, cache)
                     except _CacheNotUsed as e:
                         self._no_preallocated.add(type(self.model))
+                        self._static_cache = None
                         log.warning("%s cannot use the pre-allocated KV cache (%s); generating with DynamicCache",
                                     type(self.model).__name__, e.__cause__ or "the cache was not filled")
                 if out is None:
@@ -447,6 +511,29 @@ class TorchGenerationBackend:
             logprobs[i, len(p) - 1: len(p) - 1 + n] = out_lp[i, :n]
         return Rollout(tokens, lengths, widths.clone(), done, logprobs)
 
+    # The static-shape cache's length is rounded up to a multiple of this, so that prompts of slightly different
+    # lengths share one cache (and one CUDA graph)
+    STATIC_LENGTH_MULTIPLE = 64
+
+    def _static_cache_for(self, batch: int, length: int) -> StaticShapeCache | None:
+        """The static-shape cache for `batch` rows of up to `length` tokens: the last one, reset, if it has that batch
+        and room for them (the same buffers, so a recorded CUDA graph replays on them), else a new one."""
+        m = self.STATIC_LENGTH_MULTIPLE
+        key = (id(self.model), batch, -(-length // m) * m)
+        if self._static_cache is not None and self._static_cache[0] == key:
+            cache = self._static_cache[1]
+            cache.reset()
+            return cache
+        self._static_cache = None  # the old buffers go before the new ones are made
+        windows = cache_layer_windows(self.model, length)
+        if windows is None:
+            return None
+        if any(w is not None and w <= key[2] for w in windows):  # rounded up, a window would slide: not rounded
+            key = (*key[:2], length)
+        cache = StaticShapeCache(key[2], windows)
+        self._static_cache = (key, cache)
+        return cache
+
     def _decode(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams, seed: int,
                 cache: Cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample up to max_new_tokens per row into (tokens int64 [B, N], log-probs float32 [B, N], stop-string
@@ -454,7 +541,8 @@ class TorchGenerationBackend:
         token or stop string its tokens are pad."""
         model, dev, pad, n_new = self.model, self.device, self.pad_id, params.max_new_tokens
         b, p_max = ids.shape
-        stats = GenerationStats(cache="preallocated" if isinstance(cache, PreallocatedCache) else "dynamic")
+        kind = {PreallocatedCache: "preallocated", StaticShapeCache: "static"}.get(type(cache), "dynamic")
+        stats = GenerationStats(cache=kind)
         warpers = _warpers(params)
         stops = torch.tensor(params.stop_token_ids, device=dev, dtype=torch.long)
         matcher = StopStringMatcher(self.tokenizer, params.stop_strings) if params.stop_strings else None
@@ -462,17 +550,19 @@ class TorchGenerationBackend:
         keep_last = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
         compact = self.compact_below > 0 and all(type(layer) in _SELECTABLE_LAYERS for layer in cache.layers)
 
-        mask = torch.ones((b, p_max + n_new), dtype=attn.dtype, device=dev)  # sliced to the cache length every step
-        mask[:, :p_max] = attn
+        static = isinstance(cache, StaticShapeCache)  # the mask covers the whole cache, every step the same shape
+        mask = torch.ones((b, cache.max_cache_len if static else p_max + n_new), dtype=attn.dtype, device=dev)
+        mask[:, :p_max] = attn  # sliced to the cache length every step, unless static
         positions = (attn.cumsum(1) - 1).clamp(min=0)
         prefill = dict(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True,
                        **keep_last)
-        if isinstance(cache, PreallocatedCache):
+        if isinstance(cache, PreallocatedCache | StaticShapeCache):
             try:
                 logits = model(**prefill).logits[:, -1, :]
             except Exception as e:  # retried on DynamicCache, where an error not due to the cache recurs
                 raise _CacheNotUsed from e
-            if any(layer.length != p_max for layer in cache.layers):
+            filled = cache.filled() if static else [layer.length for layer in cache.layers]
+            if any(n != p_max for n in filled):
                 raise _CacheNotUsed
         else:
             logits = model(**prefill).logits[:, -1, :]
@@ -527,10 +617,13 @@ class TorchGenerationBackend:
                     finished, string_end = finished[keep], string_end[keep]
                     stats.compactions += 1
             step = decode_step
-            if self.compiled_step is not None and isinstance(cache, PreallocatedCache) and nxt.shape[0] > 1:
+            if self.compiled_step is not None and isinstance(cache, PreallocatedCache | StaticShapeCache) \
+                    and nxt.shape[0] > 1:
                 step = self.compiled_step
                 stats.compiled_steps += 1
-            logits = step(model, nxt[:, None], mask[:, : p_max + t + 1], pos, cache, bool(keep_last))
+                if self.cuda_graphs:  # a new step: the last replay's outputs (logits, used above) may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
+            logits = step(model, nxt[:, None], mask if static else mask[:, : p_max + t + 1], pos, cache, bool(keep_last))
             pos = pos + 1
             stats.decode_steps += 1
             stats.row_steps += nxt.shape[0]

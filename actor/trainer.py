@@ -120,7 +120,8 @@ class PPOTrainer:
                                                 dtype, "the log-prob")
         # made before the servers are waited for, so policy.generation.compile without a compiler is refused at once
         backend = TorchGenerationBackend(self.policy, self.pad_id, self.device, tokenizer=self.tokenizer,
-                                         compile_decode=gen.compile, compute_dtype=dtype, prepack=gen.prepack_weights)
+                                         compile_decode=gen.compile, compute_dtype=dtype, prepack=gen.prepack_weights,
+                                         cuda_graphs=gen.cuda_graphs)
         if not p.async_grpo.enabled:  # compiled now, while the servers may still be starting (the async worker's
             backend.warm_up()         # own backend compiles on its first rollout, in its thread)
         if pol.compile:  # likewise the training and log-prob passes, so the first step runs at full speed
@@ -163,7 +164,8 @@ class PPOTrainer:
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits,
             prepack=self.prepack_logprobs)
         self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
-                                       self.device, pol.generation_batch_size, self.timers, gen.compile)
+                                       self.device, pol.generation_batch_size, self.timers, gen.compile,
+                                       gen.cuda_graphs)
                          if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))
 
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)

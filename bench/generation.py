@@ -116,6 +116,13 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def cudagraph_skips() -> int:
+    """Compiled graphs inductor ran without recording a CUDA graph (mode='reduce-overhead'), in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def decode_report(totals: GenerationStats, before: GenerationStats, rounds: int, new_graphs: int | None) -> str:
     """Our decode work over the timed rounds, per generation: decode forwards, how many ran compiled, compactions
     (finished rows leaving the batch), and with the compiled step the graphs compiled in the setting, its untimed
@@ -208,22 +215,23 @@ def _timed(fn) -> float:
 
 def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float,
                   compile_decode: bool = False, device: str = "cpu", precision: str = "float32",
-                  profile: bool = False, prepack: bool = True) -> list[float]:
+                  profile: bool = False, prepack: bool = True, cuda_graphs: bool = False) -> list[float]:
     eos = None if name == "fixed" else EOS
     dev = resolve_device(device)  # as the actor's: on CUDA, SDPA's cuDNN backend off (both sides)
     model = build_model(size, eos_bias if eos is not None else 0.0).to(dev, getattr(torch, precision))
     backend = TorchGenerationBackend(model, PAD, dev, compact_below=compact_below, compile_decode=compile_decode,
-                                     prepack=prepack)
+                                     prepack=prepack, cuda_graphs=cuda_graphs)
+    compile_decode = compile_decode or cuda_graphs
     prompts = torch.randint(3, size.vocab, (size.batch, size.prompt_len), generator=torch.Generator().manual_seed(1))
     prompts = prompts.to(dev)
     n = size.max_new_tokens
-    graphs_before = compiled_graphs()
+    graphs_before, skips_before = compiled_graphs(), cudagraph_skips()
     run_ours(backend, prompts, n, eos, seed=10_000)  # warm-up, untimed
     run_hf(model, prompts, n, eos, seed=10_000)
     stop = f"stop at EOS (EOS logit bias {eos_bias:g})" if eos is not None else "no stop token"
     print(f"\n{name}: batch {size.batch}, prompts {size.prompt_len}, max_new_tokens {n}, {stop}; "
           f"ours on the {backend.last_stats.cache} KV cache, compact_below {compact_below:g}"
-          f"{', decode step compiled' if compile_decode else ''}"
+          f"{', decode step compiled' if compile_decode else ''}{' as CUDA graphs' if cuda_graphs else ''}"
           f"{', weights prepacked (oneDNN)' if backend.prepack else ''}; {precision} on {device}")
     print(f"{'round':>5}  {'ours tok/s':>10}  {'mean len':>8}  {'hf tok/s':>10}  {'mean len':>8}  {'ratio':>6}  load")
     ours_tps, hf_tps, ratios = [], [], []
@@ -239,6 +247,9 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
     print(f"{'med':>5}  {statistics.median(ours_tps):>10.0f}  {'':>8}  {statistics.median(hf_tps):>10.0f}  {'':>8}  "
           f"{statistics.median(ratios):>5.2f}x")
     print(decode_report(backend.totals, before, rounds, compiled_graphs() - graphs_before if compile_decode else None))
+    if cuda_graphs:  # a graph inductor would not record runs without one, and says why in the log (then it is not
+        # the CUDA-graph figure)
+        print(f"  CUDA graphs skipped by inductor in this setting: {cudagraph_skips() - skips_before}")
     if profile:
         profile_ours(backend, prompts, n, eos, size)
     return ratios
@@ -254,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="ours with the decode step compiled "
                         "(TorchGenerationBackend(compile_decode=True), policy.generation.compile); the untimed warm-up "
                         "run compiles it")
+    parser.add_argument("--cuda-graphs", action="store_true", help="ours with the compiled decode step replayed as CUDA "
+                        "graphs on the static-shape cache (TorchGenerationBackend(cuda_graphs=True), "
+                        "policy.generation.cuda_graphs; --device cuda only)")
     parser.add_argument("--no-prepack", action="store_true", help="ours without prepacked weights "
                         "(TorchGenerationBackend(prepack=False), policy.generation.prepack_weights=false)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch, one round: checks the bench runs")
@@ -264,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     torch.set_num_threads(args.threads)
     size, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
     print(f"torch {torch.__version__}, {args.threads} threads, {len(os.sched_getaffinity(0))} cores")
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown setting {name!r}")
         medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below,
                                                         args.compile, args.device, args.precision, args.profile,
-                                                        not args.no_prepack))
+                                                        not args.no_prepack, args.cuda_graphs))
     print("\nmedian speed-up (ours / transformers tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
     return 0
 

@@ -75,11 +75,13 @@ class Service:
 def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: int, response_length: int,
              epochs: int, steps: int, stop_eos: bool, threads: tuple[int, ...], generation_batch: int,
              logprob_batch: int, lr: float = 1e-5, seed: int = 42, compile_: bool = False,
-             compile_decode: bool = False, device: str = "cpu", precision: str = "float32") -> OursRun:
+             compile_decode: bool = False, device: str = "cpu", precision: str = "float32",
+             cuda_graphs: bool = False) -> OursRun:
     """One run of our actor with its two servers; `threads` = (actor, critic, reward[, actor while the servers
     compute]) torch threads (the last: the actor's num_threads_shared, default its num_threads). `compile_`: every
     model pass and the decode step compiled (policy.compile, policy.generation.compile; the critic and reward
-    servers' compile); `compile_decode`: only the decode step (policy.generation.compile). `device` and
+    servers' compile); `compile_decode`: only the decode step (policy.generation.compile); `cuda_graphs`: the decode
+    step compiled and replayed as CUDA graphs (policy.generation.cuda_graphs). `device` and
     `precision`: every model of the three (cuda: all on cuda:0)."""
     from bench.trl_models import Assets
 
@@ -127,6 +129,7 @@ def run_ours(*, python: str, models: Path, work: Path, batch: int, micro_batch: 
         "policy.generation.ignore_eos": "false" if stop_eos else "true",
         **({"policy.compile": "true"} if compile_ else {}),
         **({"policy.generation.compile": "true"} if compile_ or compile_decode else {}),
+        **({"policy.generation.cuda_graphs": "true"} if cuda_graphs else {}),
     }
     optional = ("critic.ppo_epochs", "policy.generation.reuse_logprobs", "policy.generation.ignore_eos")
     skipped = [k for k in optional if k not in keys]

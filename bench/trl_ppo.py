@@ -220,7 +220,9 @@ def flops_per_step(policy_params: int, value_params: int, tokens_per_epoch: floa
 def compiled_what(args: argparse.Namespace) -> str:
     """How our side ran its model passes and its decode step, for the phase line."""
     if args.compile:
-        return "model passes and the decode step compiled"
+        return "model passes and the decode step compiled" + (", replayed as CUDA graphs" if args.cuda_graphs else "")
+    if args.cuda_graphs:
+        return "model passes eager, the decode step compiled and replayed as CUDA graphs"
     if args.compile_decode:
         return "model passes eager, the decode step compiled"
     return "model passes and the decode step eager"
@@ -266,7 +268,7 @@ def run_workload(w: Workload, args: argparse.Namespace, models: Path, trl_python
                                epochs=w.epochs, steps=args.steps, stop_eos=w.stop_eos, threads=threads,
                                generation_batch=args.generation_batch, logprob_batch=args.logprob_batch,
                                compile_=args.compile, compile_decode=args.compile_decode, device=args.device,
-                               precision=args.precision)
+                               precision=args.precision, cuda_graphs=args.cuda_graphs)
                 res["ours"], res["ours_skipped_keys"] = run.steps, run.skipped_keys
             res[f"{side}_wall"] = time.monotonic() - started
             others = watch.others_share()
@@ -357,7 +359,8 @@ def report(w: Workload, args: argparse.Namespace, length: int, rounds: list[dict
     out = {"disturbed": any(r.get("ours_disturbed") or r.get("trl_disturbed") for r in rounds), "workload": w.name, "response_length": length, "epochs": w.epochs, "rounds": rounds, "peak_flops": peak,
            "peaks": peaks, "median_ratio": med_ratio, "target": w.target, "ours_phases": ours_phases,
            "ours_efficiency": ours_eff, "threads": threads,
-           "compile": args.compile, "compile_decode": args.compile_decode, "device": args.device, "precision": args.precision}
+           "compile": args.compile, "compile_decode": args.compile_decode,
+           "cuda_graphs": args.cuda_graphs, "device": args.device, "precision": args.precision}
     if have_trl:
         trl_len = median([r["trl_mean_length"] for r in rounds])
         trl_tokens = args.batch * (PROMPT_TOKENS + length)  # TRL trains on the whole padded width every time
@@ -407,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         "dropped like every warm-up step. TRL's side runs as it ships (eager)")
     parser.add_argument("--compile-decode", action="store_true", help="ours: torch.compile the decode step only "
                         "(policy.generation.compile), every other pass eager; implied by --compile")
+    parser.add_argument("--cuda-graphs", action="store_true", help="ours: the decode step compiled and replayed as "
+                        "CUDA graphs on the static-shape cache (policy.generation.cuda_graphs; --device cuda only)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: every "
                         "model of both on the one GPU, cuda:0)")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="both sides' compute "
@@ -425,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 2: the first step of every run is dropped as warm-up")
     if args.batch % args.micro_batch:
         parser.error(f"--micro-batch must divide the batch ({args.batch})")
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     if args.device == "cuda":
         import torch
 

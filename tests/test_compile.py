@@ -109,6 +109,14 @@ def test_no_cxx_compiler_is_refused_at_start(embedded_cache, log_dir, tmp_path):
     assert "compile=true" in reward.log() and "C++ compiler" in reward.log(), reward.log()[-2000:]
 
 
+def test_cuda_graphs_on_a_cpu_policy_are_refused_at_start(embedded_cache, tmp_path):
+    """policy.generation.cuda_graphs on a policy that is not on a CUDA device: the actor stops at start naming the key
+    and the device, before it waits for any server."""
+    run = run_actor("ppo", tmp_path / "run", "policy.generation.cuda_graphs=true", "policy.device=cpu")
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "error: policy.generation.cuda_graphs=true: CUDA graphs need a CUDA device" in run.stderr, run.stderr[-2000:]
+
+
 def test_a_compiled_pass_with_one_output_per_row_keeps_its_rows():
     """An encoder reward model's pass (`sequence_scores`) gives one score per row, not one per position: compiled, a
     lone row and a one-token batch (run padded, as dynamo compiles size 1 apart) come back with their own rows."""

@@ -438,3 +438,97 @@ def test_ids_past_the_tokenizer_are_never_sampled_and_log_probs_stay_the_full_mo
     taken = full[:, :-1].gather(2, r.tokens[:, 1:, None]).squeeze(2)
     mask = r.action_mask().bool()
     torch.testing.assert_close(r.logprobs[mask], taken[mask], atol=1e-5, rtol=0)
+
+
+def test_the_static_shape_cache_samples_as_the_preallocated_one_and_keeps_its_buffers():
+    """kv_cache='static' (what policy.generation.cuda_graphs decodes on): every step attends over the whole cache
+    with the unwritten positions masked, finished rows stay in the batch, and the cache is kept between generations of
+    the same batch and rounded length (a CUDA graph replays on the same buffers). Same tokens and log-probs (1e-5) as
+    the pre-allocated cache without compaction, sampling and greedy, prompts of different widths."""
+    model, prompts = tiny_model(), tiny_prompts()
+    # never compacting, as the static cache does not: rows share one random stream, so the batch must match
+    pre = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=0.0)
+    static = TorchGenerationBackend(model, 0, torch.device("cpu"), kv_cache="static")
+    cases = [(prompts, SamplingParams(20, temperature=0.0, stop_token_ids=(2,))),
+             (prompts, SamplingParams(12, temperature=0.9, top_k=10, stop_token_ids=(2,))),
+             ([p + [7, 9, 11] for p in prompts], SamplingParams(25, temperature=1.0)),  # wider, the same rounded length
+             (prompts[:5], SamplingParams(30, temperature=0.0, stop_token_ids=(2,)))]  # another batch: a new cache
+    buffers = []
+    for i, (rows, params) in enumerate(cases):
+        a, b = pre.generate(rows, params, seed=i), static.generate(rows, params, seed=i)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), i
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        stats = static.last_stats
+        assert stats.cache == "static" and stats.compactions == 0 and stats.row_steps == len(rows) * stats.decode_steps
+        cache = static._static_cache[1]
+        assert cache.max_cache_len == 64  # prompt + new tokens, rounded up to a multiple of 64
+        buffers.append(cache.layers[0].keys.data_ptr())
+    assert buffers[0] == buffers[1] == buffers[2] != buffers[3]
+
+
+def test_the_static_shape_cache_keeps_values_in_their_own_dtype_under_autocast():
+    """Under bf16 autocast Llama hands the cache float32 keys (rotary embeddings in float32) and bf16 values;
+    transformers' StaticLayer would make both buffers the keys' dtype and fail on the values (found on a GPU:
+    generation fell back to the DynamicCache). The same tokens as the pre-allocated cache in bf16."""
+    model, prompts = tiny_model(), tiny_prompts()
+    params = SamplingParams(16, temperature=0.0, stop_token_ids=(2,))
+    pre = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0, compute_dtype=torch.bfloat16)
+    static = TorchGenerationBackend(model, 0, torch.device("cpu"), kv_cache="static", compute_dtype=torch.bfloat16)
+    a, b = pre.generate(prompts, params, seed=0), static.generate(prompts, params, seed=0)
+    assert static.last_stats.cache == "static"
+    layer = static._static_cache[1].layers[0]
+    assert (layer.keys.dtype, layer.values.dtype) == (torch.float32, torch.bfloat16)
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def test_a_compiled_step_on_the_static_shape_cache_samples_as_the_eager_one_on_one_graph():
+    """The compiled decode step on the static-shape cache (what CUDA graphs record; on a CPU inductor records none):
+    the eager step's tokens and log-probs, and generations reusing the cache compile nothing more."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model, prompts = tiny_model(), tiny_prompts()
+    eager = TorchGenerationBackend(model, 0, torch.device("cpu"), kv_cache="static")
+    compiled = TorchGenerationBackend(model, 0, torch.device("cpu"), kv_cache="static", compile_decode=True)
+    graphs = None
+    for i in range(3):
+        params = SamplingParams(20, temperature=1.0 if i else 0.0, stop_token_ids=(2,))
+        a, b = eager.generate(prompts, params, seed=i), compiled.generate(prompts, params, seed=i)
+        assert torch.equal(a.tokens, b.tokens), i
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert compiled.last_stats.compiled_steps == compiled.last_stats.decode_steps > 0
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+
+
+def test_cuda_graphs_off_a_cuda_device_are_refused_naming_the_key():
+    from serving.modeling import CompileUnavailable
+
+    with pytest.raises(CompileUnavailable, match=r"policy\.generation\.cuda_graphs=true: CUDA graphs need a CUDA device"):
+        TorchGenerationBackend(tiny_model(), 0, torch.device("cpu"), cuda_graphs=True)
+    with pytest.raises(ValueError, match="kv_cache must be 'auto', 'dynamic' or 'static'"):
+        TorchGenerationBackend(tiny_model(), 0, torch.device("cpu"), kv_cache="paged")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (CI has none)")
+def test_cuda_graphs_sample_as_eager_decoding_on_a_gpu():
+    """policy.generation.cuda_graphs on a GPU: greedy tokens as the eager pre-allocated cache gives them in float32;
+    in float32 and under bf16 autocast, on the static-shape cache (not a fallback), every decode step run compiled,
+    and the same tokens again when the recorded graphs replay on the kept cache."""
+    from serving.modeling import resolve_device
+
+    dev = resolve_device("cuda")
+    model = tiny_model().to(dev)
+    prompts, params = tiny_prompts(), SamplingParams(24, temperature=0.0, stop_token_ids=(2,))
+    for dtype in (torch.float32, torch.bfloat16):
+        eager = TorchGenerationBackend(model, 0, dev, compact_below=0.0, compute_dtype=dtype)
+        graphs = TorchGenerationBackend(model, 0, dev, cuda_graphs=True, compute_dtype=dtype)
+        a = eager.generate(prompts, params, seed=0)
+        b, c = graphs.generate(prompts, params, seed=0), graphs.generate(prompts, params, seed=0)
+        assert graphs.last_stats.cache == "static", dtype
+        assert graphs.last_stats.compiled_steps == graphs.last_stats.decode_steps > 0, dtype
+        assert torch.equal(b.tokens, c.tokens), dtype  # a replay samples as the recording did
+        if dtype == torch.float32:  # (in bf16 fused kernels round differently: a greedy tie may go the other way)
+            assert torch.equal(a.tokens, b.tokens)
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)

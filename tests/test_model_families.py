@@ -1,7 +1,7 @@
 """Model families beyond the embedded Llama, each a tiny random model built locally from transformers' own config
 class (no download): the actor's generation (batched, left-padded, on the pre-allocated KV cache where the family's
-layers allow it, through prepacked weights, finished rows leaving the batch) gives transformers' greedy generate()
-of each prompt alone; the policy's log-prob passes over length buckets give each row's own forward; and the critic
+layers allow it, through prepacked weights, finished rows leaving the batch; and on the static-shape cache that CUDA
+graphs decode on) gives transformers' greedy generate() of each prompt alone; the policy's log-prob passes over length buckets give each row's own forward; and the critic
 loads its scalar head from the causal LM's checkpoint and values every row as alone. A few families with unusual
 attention (soft-capping, sinks, mixture-of-experts, parallel blocks) also decode through the compiled step.
 
@@ -72,8 +72,13 @@ def test_generation_gives_transformers_greedy_output_of_each_prompt_alone(model_
     backend = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=0.75)
     r = backend.generate(prompts, SamplingParams(12, temperature=0.0, stop_token_ids=(2,)), seed=0)
     assert backend.prepack and backend.last_stats.cache == FAMILIES[model_type][1]
+    # the static-shape cache (policy.generation.cuda_graphs decodes on it) where the family's layers allow the
+    # pre-allocated one, else the same fallback
+    static = TorchGenerationBackend(model, 0, torch.device("cpu"), kv_cache="static")
+    s = static.generate(prompts, SamplingParams(12, temperature=0.0, stop_token_ids=(2,)), seed=0)
+    assert static.last_stats.cache == {"preallocated": "static"}.get(FAMILIES[model_type][1], "dynamic")
     for i, p in enumerate(prompts):
-        assert responses(r)[i] == generate_alone(model, p, 12), i
+        assert responses(r)[i] == responses(s)[i] == generate_alone(model, p, 12), i
     assert not any("forward" in m.__dict__ for m in model.modules())  # the packed layers are given back
 
 
