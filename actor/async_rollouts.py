@@ -263,12 +263,12 @@ class AsyncRollouts:
 
     def __init__(self, collector: RolloutCollector, sampler: PromptSampler, params: SamplingParams, ppo: PPOConfig,
                  policy: PreTrainedModel, pad_id: int, device: torch.device, generation_batch_size: int,
-                 timers: Timers, compile_decode: bool = False, cuda_graphs: bool = False):
+                 timers: Timers, compile_decode: bool = False):
         self.collector, self.sampler, self.params, self.ppo = collector, sampler, params, ppo
         self.pad_id, self.generation_batch_size, self.timers = pad_id, generation_batch_size, timers
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.backend = TorchGenerationBackend(self.model, pad_id, device, tokenizer=collector.backend.tokenizer,
-                                              compile_decode=compile_decode, cuda_graphs=cuda_graphs,
+                                              compile_decode=compile_decode,
                                               compute_dtype=collector.backend.compute_dtype,
                                               prepack=collector.backend.prepack)
         # the worker generates as the trainer's collector does (episodes too, with an environment), with its own

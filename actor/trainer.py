@@ -164,8 +164,7 @@ class PPOTrainer:
             reuse_logprobs=gen.reuse_logprobs, shared_threads=cfg.num_threads_shared, logits=self.logits,
             prepack=self.prepack_logprobs)
         self.rollouts = (AsyncRollouts(self.collector, self.sampler, self.sampling, p, self.policy, self.pad_id,
-                                       self.device, pol.generation_batch_size, self.timers, gen.compile,
-                                       gen.cuda_graphs)
+                                       self.device, pol.generation_batch_size, self.timers, gen.compile)
                          if p.async_grpo.enabled else SyncRollouts(self.collector, self.sampler, self.sampling, p))
 
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)

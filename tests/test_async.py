@@ -182,6 +182,7 @@ IS = ["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_impo
      ["ppo.async_grpo.enabled", "loss_fn.truncated_importance_sampling_type"]),
     ([*IS, "policy.generation.reuse_logprobs=true"], ["ppo.async_grpo.enabled", "policy.generation.reuse_logprobs"]),
     ([*IS, "ppo.use_dynamic_sampling=true"], ["ppo.async_grpo.enabled", "ppo.use_dynamic_sampling"]),
+    ([*IS, "policy.generation.cuda_graphs=true"], ["ppo.async_grpo.enabled", "policy.generation.cuda_graphs"]),
 ])
 def test_async_refuses_what_does_not_combine_naming_both_keys(overrides, keys):
     with pytest.raises(ConfigError) as err:
