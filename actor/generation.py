@@ -341,6 +341,29 @@ class GenerationCounts:
         return counts
 
 
+def cudagraphs_checked(fn: Callable, key: str) -> Callable:
+    """`fn` (compiled with mode="reduce-overhead"), warning once if its first call, where inductor compiles it and
+    decides, ran it without recording CUDA graphs (a CPU tensor among its inputs, an op a graph cannot capture ...):
+    it then runs compiled but launch by launch, and the log says so instead of leaving `key` looking in force."""
+    from torch._dynamo.utils import counters
+
+    first = True
+
+    def call(*args):
+        nonlocal first
+        if not first:
+            return fn(*args)
+        skips = counters["inductor"]["cudagraph_skips"]
+        out = fn(*args)
+        first = False
+        if counters["inductor"]["cudagraph_skips"] > skips:
+            log.warning("%s: inductor compiled the decode step but recorded no CUDA graph for it, so it runs without "
+                        "them (TORCH_LOGS=perf_hints logs why)", key)
+        return out
+
+    return call
+
+
 def first_call_logged(fn: Callable, what: str) -> Callable:
     """`fn`, logging how long its first call took: a compiled function compiles then, and a run pauses for it."""
     first = True
@@ -422,8 +445,10 @@ class TorchGenerationBackend:
             require_compiler("policy.generation.cuda_graphs" if cuda_graphs else "policy.generation.compile", device)
             what = ("policy.generation.cuda_graphs=true: decode step compiled and its CUDA graph recorded" if cuda_graphs
                     else "policy.generation.compile=true: decode step compiled")
-            mode = "reduce-overhead" if cuda_graphs else None
-            self.compiled_step = first_call_logged(torch.compile(decode_step, dynamic=True, mode=mode), what)
+            step = torch.compile(decode_step, dynamic=True, mode="reduce-overhead" if cuda_graphs else None)
+            if cuda_graphs:
+                step = cudagraphs_checked(step, "policy.generation.cuda_graphs=true")
+            self.compiled_step = first_call_logged(step, what)
         self._static_cache: tuple[tuple, StaticShapeCache] | None = None  # the last one, by (model, batch, length)
         self.last_stats = GenerationStats()
         self.totals = GenerationStats()  # summed over every generate call (GenerationCounts reports them per step)

@@ -532,3 +532,18 @@ def test_cuda_graphs_sample_as_eager_decoding_on_a_gpu():
         if dtype == torch.float32:  # (in bf16 fused kernels round differently: a greedy tie may go the other way)
             assert torch.equal(a.tokens, b.tokens)
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+
+
+def test_a_step_inductor_records_no_cuda_graph_for_is_logged(caplog):
+    """cudagraphs_checked: where inductor compiles a mode="reduce-overhead" function but records no CUDA graph (here:
+    CPU tensors, which it never records), the first call logs a warning naming the key; later calls log nothing."""
+    from actor.generation import cudagraphs_checked
+
+    torch._dynamo.reset()
+    fn = cudagraphs_checked(torch.compile(lambda x: torch.sin(x) + 1, mode="reduce-overhead"), "some.key=true")
+    with caplog.at_level(logging.WARNING, logger="actor.generation"):
+        torch.testing.assert_close(fn(torch.ones(3)), torch.sin(torch.ones(3)) + 1)
+        fn(torch.zeros(3))
+    warnings = [r.getMessage() for r in caplog.records if "recorded no CUDA graph" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("some.key=true:"), warnings
+    torch._dynamo.reset()
