@@ -247,8 +247,8 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
     print(f"{'med':>5}  {statistics.median(ours_tps):>10.0f}  {'':>8}  {statistics.median(hf_tps):>10.0f}  {'':>8}  "
           f"{statistics.median(ratios):>5.2f}x")
     print(decode_report(backend.totals, before, rounds, compiled_graphs() - graphs_before if compile_decode else None))
-    if cuda_graphs:  # a graph inductor would not record runs without one, and says why in the log (then it is not
-        # the CUDA-graph figure)
+    if cuda_graphs:  # a step inductor recorded no graph for runs without one (TORCH_LOGS=perf_hints says why), and
+        # the figure above is then not the graphs'
         print(f"  CUDA graphs skipped by inductor in this setting: {cudagraph_skips() - skips_before}")
     if profile:
         profile_ours(backend, prompts, n, eos, size)
