@@ -18,7 +18,13 @@ from typing import Protocol
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+)
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -214,15 +220,23 @@ class PreallocatedCache(Cache):
     model builds that layer's mask (plain causal within the window) from it."""
 
     def __init__(self, max_cache_len: int, sliding_windows: list[int | None]):
-        layers = []
-        for window in sliding_windows:
-            layer = PreallocatedLayer(max_cache_len)
-            if window is not None:
-                if window <= max_cache_len:
-                    raise ValueError(f"a sliding window of {window} would slide within {max_cache_len} tokens")
-                layer.is_sliding, layer.sliding_window = True, window
-            layers.append(layer)
-        super().__init__(layers=layers)
+        super().__init__(layers=never_sliding_layers(PreallocatedLayer, max_cache_len, sliding_windows))
+
+
+def never_sliding_layers(layer_class: type[CacheLayerMixin], max_cache_len: int,
+                         sliding_windows: list[int | None]) -> list[CacheLayerMixin]:
+    """One `layer_class(max_cache_len)` per decoder layer; where `sliding_windows[i]` is a window (longer than
+    `max_cache_len`, so it never slides here) layer i says it is sliding, with that window, so that the model builds
+    its mask (plain causal within the window) from it."""
+    layers = []
+    for window in sliding_windows:
+        layer = layer_class(max_cache_len)
+        if window is not None:
+            if window <= max_cache_len:
+                raise ValueError(f"a sliding window of {window} would slide within {max_cache_len} tokens")
+            layer.is_sliding, layer.sliding_window = True, window
+        layers.append(layer)
+    return layers
 
 
 class _StaticLayer(StaticLayer):
@@ -247,15 +261,7 @@ class StaticShapeCache(Cache):
     `PreallocatedCache` (longer than `max_cache_len`, so they never slide)."""
 
     def __init__(self, max_cache_len: int, sliding_windows: list[int | None]):
-        layers = []
-        for window in sliding_windows:
-            layer = _StaticLayer(max_cache_len)
-            if window is not None:
-                if window <= max_cache_len:
-                    raise ValueError(f"a sliding window of {window} would slide within {max_cache_len} tokens")
-                layer.is_sliding, layer.sliding_window = True, window
-            layers.append(layer)
-        super().__init__(layers=layers)
+        super().__init__(layers=never_sliding_layers(_StaticLayer, max_cache_len, sliding_windows))
         self.max_cache_len = max_cache_len
 
     def filled(self) -> list[int]:

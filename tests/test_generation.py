@@ -43,6 +43,13 @@ def responses(r: Rollout) -> list[list[int]]:
     return [r.tokens[i, r.prompt_lengths[i]:r.lengths[i]].tolist() for i in range(r.tokens.shape[0])]
 
 
+def assert_same_samples(a: Rollout, b: Rollout, case: object = None) -> None:
+    """The same tokens and endings, and log-probs within float rounding (1e-5): two ways of generating that must
+    sample alike."""
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), case
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
 def test_greedy_matches_transformers_generate_for_each_prompt_alone(setup):
     tok, model, prompts, backend = setup
     params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
@@ -252,8 +259,7 @@ def test_generation_on_prepacked_weights_samples_as_on_the_plain_ones(kind):
     for i, params in enumerate((SamplingParams(20, temperature=0.0, stop_token_ids=(2,)),
                                 SamplingParams(16, temperature=1.0, top_k=10, stop_token_ids=(2,)))):
         a, b = packed.generate(prompts, params, seed=i), plain.generate(prompts, params, seed=i)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), i
-        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert_same_samples(a, b, i)
         assert not any("forward" in m.__dict__ for m in model.modules())
 
 
@@ -283,8 +289,7 @@ def test_a_compiled_decode_step_samples_as_the_eager_one_on_one_graph(warm_up):
     lone = []
     for i, (rows, params) in enumerate(cases):
         a, b = eager.generate(rows, params, seed=i), compiled.generate(rows, params, seed=i)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), i
-        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert_same_samples(a, b, i)
         stats = compiled.last_stats
         assert stats.compiled_steps > 0 and stats.row_steps == eager.last_stats.row_steps, (i, stats)
         lone.append(stats.compiled_steps < stats.decode_steps)  # down to one row, which ran eager
@@ -456,8 +461,7 @@ def test_the_static_shape_cache_samples_as_the_preallocated_one_and_keeps_its_bu
     buffers = []
     for i, (rows, params) in enumerate(cases):
         a, b = pre.generate(rows, params, seed=i), static.generate(rows, params, seed=i)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), i
-        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert_same_samples(a, b, i)
         stats = static.last_stats
         assert stats.cache == "static" and stats.compactions == 0 and stats.row_steps == len(rows) * stats.decode_steps
         cache = static._static_cache[1]
