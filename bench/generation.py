@@ -2,10 +2,11 @@
 transformers' `generate()` on the same model, batch and sampling, in alternating rounds.
 
     python -m bench.generation [--rounds 3] [--settings fixed,eos] [--compile] [--no-prepack] [--quick] [--profile]
-        [--device cpu|cuda] [--precision float32|bfloat16]
+        [--device cpu|cuda] [--precision float32|bfloat16] [--family llama|gpt2]
 
 The model is a Llama built locally from a fixed seed (no downloads): hidden 256, 6 layers, 8 heads, intermediate
-768, vocabulary 100, float32; batch 64 of random 16-token prompts, 2 torch threads, pure sampling (temperature 1, no
+768, vocabulary 100, float32 (`--family gpt2`: a GPT-2 of the same widths, whose projections are transformers'
+`Conv1D` rather than `torch.nn.Linear`); batch 64 of random 16-token prompts, 2 torch threads, pure sampling (temperature 1, no
 top-k/top-p) on both sides. Two settings:
 
   fixed  no stop token on either side: every row generates 256 new tokens;
@@ -34,7 +35,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, PreTrainedModel
 
 from actor.generation import GENERATION_COUNTS, GenerationStats, SamplingParams, TorchGenerationBackend
 from serving.modeling import resolve_device
@@ -58,12 +59,18 @@ FULL = Size(hidden=256, layers=6, heads=8, intermediate=768, vocab=100, batch=64
 QUICK = Size(hidden=32, layers=2, heads=2, intermediate=64, vocab=100, batch=8, prompt_len=4, max_new_tokens=12)
 
 
-def build_model(size: Size, eos_bias: float, seed: int = 0) -> PreTrainedModel:
-    """A deterministic random Llama; `eos_bias` is added to the EOS logit (0 leaves the logits as they are)."""
-    config = LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
-                         num_attention_heads=size.heads, num_key_value_heads=size.heads,
-                         intermediate_size=size.intermediate, max_position_embeddings=2 * (size.prompt_len + size.max_new_tokens),
-                         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+def build_model(size: Size, eos_bias: float, seed: int = 0, family: str = "llama") -> PreTrainedModel:
+    """A deterministic random Llama (or GPT-2 of the same widths); `eos_bias` is added to the EOS logit (0 leaves the
+    logits as they are)."""
+    positions = 2 * (size.prompt_len + size.max_new_tokens)
+    ids = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    if family == "gpt2":
+        config = GPT2Config(vocab_size=size.vocab, n_embd=size.hidden, n_layer=size.layers, n_head=size.heads,
+                            n_inner=size.intermediate, n_positions=positions, **ids)
+    else:
+        config = LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
+                             num_attention_heads=size.heads, num_key_value_heads=size.heads,
+                             intermediate_size=size.intermediate, max_position_embeddings=positions, **ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     if eos_bias:
@@ -215,10 +222,11 @@ def _timed(fn) -> float:
 
 def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_below: float,
                   compile_decode: bool = False, device: str = "cpu", precision: str = "float32",
-                  profile: bool = False, prepack: bool = True, cuda_graphs: bool = False) -> list[float]:
+                  profile: bool = False, prepack: bool = True, cuda_graphs: bool = False,
+                  family: str = "llama") -> list[float]:
     eos = None if name == "fixed" else EOS
     dev = resolve_device(device)  # as the actor's: on CUDA, SDPA's cuDNN backend off (both sides)
-    model = build_model(size, eos_bias if eos is not None else 0.0).to(dev, getattr(torch, precision))
+    model = build_model(size, eos_bias if eos is not None else 0.0, family=family).to(dev, getattr(torch, precision))
     backend = TorchGenerationBackend(model, PAD, dev, compact_below=compact_below, compile_decode=compile_decode,
                                      prepack=prepack, cuda_graphs=cuda_graphs)
     compile_decode = compile_decode or cuda_graphs
@@ -229,7 +237,7 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
     run_ours(backend, prompts, n, eos, seed=10_000)  # warm-up, untimed
     run_hf(model, prompts, n, eos, seed=10_000)
     stop = f"stop at EOS (EOS logit bias {eos_bias:g})" if eos is not None else "no stop token"
-    print(f"\n{name}: batch {size.batch}, prompts {size.prompt_len}, max_new_tokens {n}, {stop}; "
+    print(f"\n{name}: {family}, batch {size.batch}, prompts {size.prompt_len}, max_new_tokens {n}, {stop}; "
           f"ours on the {backend.last_stats.cache} KV cache, compact_below {compact_below:g}"
           f"{', decode step compiled' if compile_decode else ''}{' as CUDA graphs' if cuda_graphs else ''}"
           f"{', weights prepacked (oneDNN)' if backend.prepack else ''}; {precision} on {device}")
@@ -273,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch, one round: checks the bench runs")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides' device")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32", help="the model's dtype")
+    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama", help="the model's architecture "
+                        "(gpt2: transformers' Conv1D projections)")
     parser.add_argument("--profile", action="store_true", help="after each setting's rounds, profile one more generation "
                         "of ours and print where a decode step's time goes (on a GPU also its kernel time and launches)")
     args = parser.parse_args(argv)
@@ -289,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown setting {name!r}")
         medians[name] = statistics.median(bench_setting(name, size, rounds, args.eos_bias, args.compact_below,
                                                         args.compile, args.device, args.precision, args.profile,
-                                                        not args.no_prepack, args.cuda_graphs))
+                                                        not args.no_prepack, args.cuda_graphs, args.family))
     print("\nmedian speed-up (ours / transformers tokens/s): " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
     return 0
 

@@ -2,8 +2,8 @@
 
 A CPU matmul of few rows (a decode step's, one token per row) spends much of its time packing the weight into the
 layout the GEMM kernel reads, again at every call; inductor packs weights once when it freezes a graph, which
-needs weights that never change. `prepacked_linears(model, rows)` packs the weight of every `torch.nn.Linear` of
-`model` once, for the duration of a `with` block (a generation, between two policy updates), and routes the
+needs weights that never change. `prepacked_linears(model, rows)` packs the weight of every linear layer of `model`
+(`torch.nn.Linear`, and transformers' `Conv1D`, GPT-2's projections) once, for the duration of a `with` block (a generation, between two policy updates), and routes the
 layers' forwards through the packed copies; on leaving, the layers are as they were and the copies are freed.
 
 The packed layers call `ppo_services::prepacked_linear`, an op of this module over oneDNN's
@@ -18,6 +18,7 @@ import logging
 from collections.abc import Iterator
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,16 @@ def prepacks_passes(key: str, enabled: bool, device: torch.device, dtype: torch.
 
 @contextlib.contextmanager
 def prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -> Iterator[int]:
-    """Within the block, every `torch.nn.Linear` of `model` (the class itself, not subclasses such as adapters'
-    wrappers, whose inner Linear is packed instead) with a float32 CPU weight computes through a copy of its weight
-    packed for `rows` rows of input (any row count works; `rows` tunes the layout). Yields how many layers were
-    packed. Call it without grad: the packed op has no backward. The packed copies hold one more copy of those
-    weights until the block ends; weights changed within the block would not be seen. With `enabled` false the
-    block runs on the layers as they are (yields 0)."""
+    """Within the block, every `torch.nn.Linear` and transformers `Conv1D` of `model` (the classes themselves, not
+    subclasses such as adapters' wrappers, whose inner layer is packed instead) with a float32 CPU weight computes
+    through a copy of its weight packed for `rows` rows of input (any row count works; `rows` tunes the layout).
+    Yields how many layers were packed. Call it without grad: the packed op has no backward. The packed copies hold
+    one more copy of those weights until the block ends; weights changed within the block would not be seen. With
+    `enabled` false the block runs on the layers as they are (yields 0)."""
     packed: list[torch.nn.Module] = []
     try:
         for module in model.modules() if enabled else ():
-            w = module.weight if type(module) is torch.nn.Linear else None
+            w = _out_by_in_weight(module)
             if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or "forward" in module.__dict__:
                 continue
             weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
@@ -82,6 +83,16 @@ def prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool = True) -
     finally:
         for module in packed:
             del module.forward
+
+
+def _out_by_in_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The [out, in] weight of a layer computing x @ W.T + b, as oneDNN's linear takes it: a `torch.nn.Linear`'s own,
+    a `Conv1D`'s transposed (it stores [in, out] and computes x @ W + b); None for any other module."""
+    if type(module) is torch.nn.Linear:
+        return module.weight
+    if type(module) is Conv1D:
+        return module.weight.t()
+    return None
 
 
 class KeptPacking:

@@ -56,7 +56,8 @@ class ServerConfig(SecurityConfig):
                           "seconds on a CPU); on a CPU a Train micro-batch of over 4096 tokens compiles once more when "
                           "it first comes. On the CPU it needs a C++ compiler (g++ or "
                           "clang++), checked at start. Results equal eager ones up to float reduction order.")
-    prepack_weights: bool = Field(True, description="On a CPU in float32, every torch.nn.Linear of "
+    prepack_weights: bool = Field(True, description="On a CPU in float32, every linear layer (torch.nn.Linear, and "
+                                  "transformers' Conv1D: GPT-2's projections) of "
                                   "the model computes Infer and Score batches (the critic's combined reward model "
                                   "too) through a copy of its weight prepacked for oneDNN, made at the first batch "
                                   "after the weights last changed and kept until they change again (the critic's "

@@ -17,6 +17,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
 )
+from transformers.pytorch_utils import Conv1D
 
 from actor.generation import (
     GenerationCounts,
@@ -196,16 +197,18 @@ def test_preallocated_and_dynamic_caches_agree():
 
 
 def test_linear_layers_on_prepacked_weights_compute_as_the_plain_ones_and_are_restored_after():
-    """serving.prepack: within the block every torch.nn.Linear (with a bias or without, inputs of any row count)
-    computes through its prepacked weight as the plain layer does; after it, and after an error inside it, the
-    layers are the plain ones again."""
+    """serving.prepack: within the block every torch.nn.Linear (with a bias or without) and transformers' Conv1D
+    (GPT-2's projections, whose weight is stored [in, out]) computes through its prepacked weight as the plain layer
+    does, for inputs of any row count; after it, and after an error inside it, the layers are the plain ones again."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), torch.nn.Linear(24, 8, bias=False))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.SiLU(), Conv1D(20, 24), torch.nn.Tanh(),
+                              torch.nn.Linear(20, 8, bias=False))
+    torch.nn.init.normal_(net[2].bias)  # Conv1D starts with a zero bias: make the packed one count
     inputs = [torch.randn(1, 16), torch.randn(64, 16), torch.randn(3, 1, 16), torch.randn(700, 16)]
     with torch.no_grad():
         want = [net(x) for x in inputs]
         with prepacked_linears(net, rows=64) as n:
-            assert n == 2 and all("forward" in m.__dict__ for m in (net[0], net[2]))
+            assert n == 3 and all("forward" in m.__dict__ for m in (net[0], net[2], net[4]))
             for x, w in zip(inputs, want):
                 torch.testing.assert_close(net(x), w, rtol=1e-5, atol=1e-5)
         assert not any("forward" in m.__dict__ for m in net)
@@ -247,12 +250,25 @@ def test_kept_packing_holds_the_packed_layers_until_released_and_repacks_the_wei
         assert not any("forward" in m.__dict__ for m in net)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt2-lora"])
 def test_generation_on_prepacked_weights_samples_as_on_the_plain_ones(kind):
     """policy.generation.prepack_weights (on by default): the same tokens, greedy and sampled, and log-probs to float
-    rounding as without it, on a Llama (every projection an nn.Linear) and on GPT-2 (Conv1D projections: only its
-    LM head is packed); the policy's layers are the plain ones after each generation."""
-    model, prompts = tiny_model(kind), tiny_prompts()
+    rounding as without it, on a Llama (every projection an nn.Linear), on GPT-2 (Conv1D projections, packed as
+    well) and on GPT-2 with LoRA adapters on every Conv1D (peft's wrappers stay as they are, the Conv1D inside each
+    is packed); every projection and the LM head are packed, and the policy's layers are the plain ones after each
+    generation."""
+    model, prompts = tiny_model(kind.removesuffix("-lora")), tiny_prompts()
+    if kind.endswith("-lora"):
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+        with torch.no_grad():  # lora_B starts at zero: give the adapters a part in every output
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5)
+    projections = model.config.num_hidden_layers * (7 if kind == "llama" else 4)  # GPT-2: c_attn, c_proj, c_fc, c_proj
+    with torch.no_grad(), prepacked_linears(model, rows=8) as n:  # and the LM head; LoRA's A and B are Linears too
+        assert n == projections + 1 + (2 * projections if kind.endswith("-lora") else 0)
     packed = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0)
     plain = TorchGenerationBackend(model, 0, torch.device("cpu"), compact_below=1.0, prepack=False)
     assert packed.prepack and not plain.prepack
@@ -388,13 +404,14 @@ def test_models_that_cannot_use_the_preallocated_cache_fall_back_to_dynamic_cach
     assert torch.equal(r.tokens, TorchGenerationBackend(llama, 0, torch.device("cpu")).generate(prompts, params, 0).tokens)
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_generation_bench_runs(capsys, precision):
+@pytest.mark.parametrize(("precision", "family"), [("float32", "llama"), ("bfloat16", "llama"), ("float32", "gpt2")])
+def test_generation_bench_runs(capsys, precision, family):
     from bench.generation import main
 
-    assert main(["--quick", "--threads", str(torch.get_num_threads()), "--precision", precision, "--profile"]) == 0
+    assert main(["--quick", "--threads", str(torch.get_num_threads()), "--precision", precision, "--profile",
+                 "--family", family]) == 0
     out = capsys.readouterr().out
-    assert "fixed:" in out and "eos:" in out and "median speed-up" in out
+    assert f"fixed: {family}," in out and f"eos: {family}," in out and "median speed-up" in out
     assert out.count(f"{precision} on cpu") == 2
     # what ours ran per generation: eager, so every decode forward uncompiled and no graph count
     assert len(re.findall(r"ours per generation: [1-9]\d* decode forwards, 0 of them compiled, [\d.]+ compactions\n",
