@@ -63,7 +63,7 @@ def build_model(size: Size, eos_bias: float, seed: int = 0, family: str = "llama
     """A deterministic random Llama (or GPT-2 of the same widths); `eos_bias` is added to the EOS logit (0 leaves the
     logits as they are)."""
     positions = 2 * (size.prompt_len + size.max_new_tokens)
-    ids = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    ids = {"pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS}
     if family == "gpt2":
         config = GPT2Config(vocab_size=size.vocab, n_embd=size.hidden, n_layer=size.layers, n_head=size.heads,
                             n_inner=size.intermediate, n_positions=positions, **ids)
