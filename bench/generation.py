@@ -6,8 +6,8 @@ transformers' `generate()` on the same model, batch and sampling, in alternating
 
 The model is a Llama built locally from a fixed seed (no downloads): hidden 256, 6 layers, 8 heads, intermediate
 768, vocabulary 100, float32 (`--family gpt2`: a GPT-2 of the same widths, whose projections are transformers'
-`Conv1D` rather than `torch.nn.Linear`); batch 64 of random 16-token prompts, 2 torch threads, pure sampling (temperature 1, no
-top-k/top-p) on both sides. Two settings:
+`Conv1D` rather than `torch.nn.Linear`); batch 64 of random 16-token prompts, 2 torch threads, pure sampling
+(temperature 1, no top-k/top-p) on both sides. Two settings:
 
   fixed  no stop token on either side: every row generates 256 new tokens;
   eos    both stop at EOS (up to 256 new tokens), whose logit gets a bias through the lm_head (--eos-bias 0.3:

@@ -3,8 +3,9 @@
 A CPU matmul of few rows (a decode step's, one token per row) spends much of its time packing the weight into the
 layout the GEMM kernel reads, again at every call; inductor packs weights once when it freezes a graph, which
 needs weights that never change. `prepacked_linears(model, rows)` packs the weight of every linear layer of `model`
-(`torch.nn.Linear`, and transformers' `Conv1D`, GPT-2's projections) once, for the duration of a `with` block (a generation, between two policy updates), and routes the
-layers' forwards through the packed copies; on leaving, the layers are as they were and the copies are freed.
+(`torch.nn.Linear`, and transformers' `Conv1D`, GPT-2's projections) once, for the duration of a `with` block (a
+generation, between two policy updates), and routes the layers' forwards through the packed copies; on leaving, the
+layers are as they were and the copies are freed.
 
 The packed layers call `ppo_services::prepacked_linear`, an op of this module over oneDNN's
 `mkldnn::_linear_pointwise`, so that torch.compile keeps it as one opaque call: inductor lowers
