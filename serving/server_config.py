@@ -58,8 +58,9 @@ class ServerConfig(SecurityConfig):
                           "clang++), checked at start. Results equal eager ones up to float reduction order.")
     prepack_weights: bool = Field(True, description="On a CPU in float32, every linear layer (torch.nn.Linear, and "
                                   "transformers' Conv1D: GPT-2's projections) of the model computes Infer and Score "
-                                  "batches (the critic's combined reward model too) through a copy of its weight prepacked for oneDNN, made at the first batch "
-                                  "after the weights last changed and kept until they change again (the critic's "
+                                  "batches (the critic's combined reward model too) through a copy of its weight "
+                                  "prepacked for oneDNN, made at the first batch after the weights last changed and "
+                                  "kept until they change again (the critic's "
                                   "Train and Load; a reward model's never do): one more copy of those weights while "
                                   "it is kept (false saves that memory). With compile on, the compiled Infer and Score "
                                   "passes call the packed layers between their fused kernels. Train computes on the "
