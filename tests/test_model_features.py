@@ -529,3 +529,38 @@ def test_an_actor_run_with_lora_checkpoints_and_resumes_exactly(reward, tmp_path
     for key, value in timeless[0].items():
         assert timeless[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert json.loads((run_dir / "checkpoints" / "step_2" / "checkpoint.json").read_text())["step"] == 2
+
+
+def test_a_gpt2_policy_trains_through_packed_conv1d_passes_with_a_critic_started_from_it(embedded_assets, reward,
+                                                                                         log_dir, tmp_path):
+    """GPT-2's projections are transformers `Conv1D`s (weight [in, out]) and its LM head is tied to the token
+    embeddings. `python -m actor` with such a policy, beside a critic server started from it: its generation and
+    log-prob passes run on prepacked weights, a PPO step trains both models, and the checkpoint loads back as a GPT-2
+    whose head is still the (trained) embedding matrix."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_assets.policy)
+    model_dir = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    with ServiceProcess("critic", "--model", str(model_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        log_dir=log_dir) as critic:
+        run = run_actor("ppo", tmp_path / "run", *RUN, f"policy.model_name={model_dir}",
+                        f"critic.address={critic.address}", f"reward.address={reward.address}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "policy.generation.prepack_weights=true" in run.stderr
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["critic/loss"] > 0 and r["train_optim/grad_norm"] > 0 and r["generation/decode_steps"] > 0
+    # step 1's one optimizer step sees the policy the packed passes scored: the training forward (plain weights)
+    # gives their log-probs back, and the reference (packed too) equals the policy
+    assert rows[0]["train_optim/ppo_ratio_min"] == pytest.approx(1, abs=1e-4)
+    assert rows[0]["train_optim/ppo_ratio_max"] == pytest.approx(1, abs=1e-4)
+    assert rows[0]["train_rollouts/init_policy_kl"] == pytest.approx(0, abs=1e-6)
+    start = GPT2LMHeadModel.from_pretrained(model_dir)
+    trained = GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "checkpoints" / "step_2" / "actor")
+    assert trained.lm_head.weight is trained.transformer.wte.weight
+    assert not torch.equal(trained.transformer.wte.weight, start.transformer.wte.weight)
+    assert not torch.equal(trained.transformer.h[0].attn.c_attn.weight, start.transformer.h[0].attn.c_attn.weight)
