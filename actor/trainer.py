@@ -311,7 +311,7 @@ class PPOTrainer:
         if returns is not None and self.critic is not None:  # not awaited: the critic trains while the policy does
             vl = cfg.value_loss_fn
             with t("transfer"):
-                    critic_train = self.critic.train(r.tokens, r.lengths, returns, values, mask, vl.cliprange or 0.0,
+                critic_train = self.critic.train(r.tokens, r.lengths, returns, values, mask, vl.cliprange or 0.0,
                                                  vl.scale, request_id=f"{self.run_id}/{step}/0",
                                                  epochs=cfg.critic.ppo_epochs)
         metrics: dict[str, float] = {}
