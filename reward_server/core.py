@@ -121,6 +121,10 @@ class RewardCore:
         # the model's embeddings (an id past them) gives way to EOS, then to 0
         self.pad_id = next(int(i) for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
                            if i is not None and 0 <= i < self.vocab_size)
+        if cfg.scorer is None and self.tokenizer.pad_token_id not in (None, self.pad_id):  # as the actor warns
+            log.warning("the pad token of %s (id %d) is past the model's %d embedding rows, which were not resized for "
+                        "it; rows are padded with id %d instead (padding positions are masked)", self.source,
+                        self.tokenizer.pad_token_id, self.vocab_size, self.pad_id)
         log.info("reward %s loaded on %s (vocab %d, max length %d, components %s)", self.source, self.device,
                  self.vocab_size, self.max_length, self.component_scorers)
 
