@@ -574,22 +574,28 @@ def encoder_reward_model(words: list[str], path: Path, family: str = "deberta") 
     return path
 
 
-@pytest.mark.parametrize("family", ["deberta", "bert"])
-def test_an_encoder_reward_model_scores_prompt_response_pairs_with_its_own_head(family, tokenizer, log_dir, tmp_path):
+@pytest.mark.parametrize("family, settings", [("deberta", ()), ("bert", ()), ("bert", ("compile=true",))],
+                         ids=["deberta", "bert", "bert-compiled"])
+def test_an_encoder_reward_model_scores_prompt_response_pairs_with_its_own_head(family, settings, tokenizer, log_dir,
+                                                                                tmp_path):
     """An encoder reward model (DeBERTa, as OpenAssistant's; BERT, whose pairs' segments differ by token type ids) has
     no per-position `score`: the server scores each sample through the model's own pooling and head, a text with its
     prompt as the pair (prompt, response) it was trained on, typed as its tokenizer types a pair, a text alone as
-    `[CLS] text [SEP]`; the critic refuses such a model, which gives no per-token values."""
+    `[CLS] text [SEP]`, eager or compiled (`compile=true`: compiled at load, one graph for both calls' shapes); the
+    critic refuses such a model, which gives no per-token values."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     path = encoder_reward_model([w for w in tokenizer.get_vocab() if not w.startswith("<")], tmp_path / family, family)
     prompts, responses = ["river castle", "city garden forest"], [" good good", " bad"]
-    with ServiceProcess("reward", "--model", str(path), log_dir=log_dir) as proc:
+    with ServiceProcess("reward", "--model", str(path), *settings, log_dir=log_dir,
+                        env={"TORCH_LOGS": "recompiles"}) as proc:
         channel, stub = open_stub(proc)
         paired = stub.Score(reward_pb2.ScoreRequest(texts=[p + r for p, r in zip(prompts, responses)],
                                                     prompts=prompts), timeout=60)
         alone = stub.Score(reward_pb2.ScoreRequest(texts=["river castle good good"]), timeout=60)
         channel.close()
+        log = proc.log()
+    assert ("compile=true: Score pass compiled in" in log) == bool(settings) and "Recompiling" not in log, log[-3000:]
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
     enc = AutoTokenizer.from_pretrained(path)
     with torch.no_grad():
