@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         from serving.codec import retain_freed_memory
-        from serving.modeling import CompileUnavailable
+        from serving.modeling import CompileUnavailable, DeviceUnavailable
         from serving.rest import PortTaken
         from serving.security import SecurityError
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = PPOTrainer(cfg)
     except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment,
-            CompileUnavailable, PortTaken) as e:
+            CompileUnavailable, DeviceUnavailable, PortTaken) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

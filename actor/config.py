@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from serving.config import StrictModel
+from serving.config import DeviceSpec, StrictModel
 
 AdvEstimatorName = Literal["gae", "raw_reward", "grpo", "gdpo", "reinforce_plus_plus"]
 KLType = Literal["k1", "k2", "k3"]
@@ -142,7 +142,7 @@ class PolicyConfig(StrictModel):
     trust_remote_code: bool = Field(False, description="Let transformers run the model code a checkpoint ships (the auto_map of its config.json) for the policy, the reference and the tokenizer: only for checkpoints you trust.")
     precision: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype: bfloat16 runs generation and every pass under torch.autocast with float32 policy weights, which the optimizer updates (mixed precision, as NeMo-RL's precision does: a bf16 weight would round away updates below its resolution); the reference is float32 too, so at the start both compute alike, and a LoRA base, never trained, is held in it.")
     max_grad_norm: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
-    device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
+    device: DeviceSpec = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N.")
     num_layers_unfrozen: int = Field(-1, ge=-1, description="Train only the top N transformer blocks, the final norm and the LM head (trlx's key); the embeddings and the lower blocks are frozen. -1 trains every layer. A head tied to the input embeddings is frozen with them when N >= 0.")
     compile: bool = Field(False, description="torch.compile every pass over whole sequences: the policy's training forward and backward and the policy's and reference's log-prob passes, into fused kernels with dynamic shapes, so one graph per model serves every micro-batch width. They compile at start, on dummy batches, before the actor waits for the servers (tens of seconds on a CPU, overlapping the servers' start-up; the log says how long), so the first step runs at full speed; on the CPU it needs a C++ compiler (g++ or clang++), checked at start. Losses and gradients equal eager ones up to float reduction order. Generation's decode step has its own key, policy.generation.compile.")
     reference_offload: bool = Field(False, description="Keep the reference policy on the CPU and move it to the policy's device only for its log-prob passes (saves its device memory; costs two transfers per generation batch).")

@@ -98,7 +98,7 @@ class PPOTrainer:
         torch.manual_seed(p.seed)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.device = resolve_device(pol.device)
+        self.device = resolve_device(pol.device, "policy.device")
         dtype = TORCH_DTYPES[pol.precision]
         checkpoints.remove_leftovers(self.run_dir / "checkpoints")
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")

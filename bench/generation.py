@@ -225,7 +225,7 @@ def bench_setting(name: str, size: Size, rounds: int, eos_bias: float, compact_b
                   profile: bool = False, prepack: bool = True, cuda_graphs: bool = False,
                   family: str = "llama") -> list[float]:
     eos = None if name == "fixed" else EOS
-    dev = resolve_device(device)  # as the actor's: on CUDA, SDPA's cuDNN backend off (both sides)
+    dev = resolve_device(device, "--device")  # as the actor's: on CUDA, SDPA's cuDNN backend off (both sides)
     model = build_model(size, eos_bias if eos is not None else 0.0, family=family).to(dev, getattr(torch, precision))
     backend = TorchGenerationBackend(model, PAD, dev, compact_below=compact_below, compile_decode=compile_decode,
                                      prepack=prepack, cuda_graphs=cuda_graphs)

@@ -1,5 +1,7 @@
 """`python -m reward_server [--port 5556] [--model PATH | --scorer NAME] [--config FILE] [key=value ...]`."""
 
+import sys
+
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
 from serving.startup import imports_without_gc
@@ -22,11 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_cli(RewardConfig, argv, "PPO reward server (rewards over gRPC and POST /get_reward).", FLAGS,
                     SECURITY_SWITCHES)
     with imports_without_gc():  # torch and transformers load only after the config is valid
+        from serving.modeling import DeviceUnavailable
         from serving.server import run_service
 
         from .servicer import RewardService
 
-    run_service(RewardService(cfg))
+    try:
+        service = RewardService(cfg)
+    except DeviceUnavailable as e:
+        sys.exit(f"error: {e}")
+    run_service(service)
 
 
 if __name__ == "__main__":

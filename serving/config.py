@@ -6,11 +6,12 @@ A bad key or value fails with a message that names the key and what is allowed.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Annotated, Any, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 Cfg = TypeVar("Cfg", bound=BaseModel)
 
@@ -23,6 +24,17 @@ class StrictModel(BaseModel):
 
 class ConfigError(ValueError):
     """A config file, key or value is wrong; the message says which and what is allowed."""
+
+
+def _device_spec(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+        raise ValueError(f"expected auto, cpu, cuda or cuda:N (N a GPU index), got {value!r}")
+    return value
+
+
+# A `device` key: checked when the config is read, before torch is imported; whether that GPU exists is checked when
+# the service resolves it (serving.modeling.resolve_device)
+DeviceSpec = Annotated[str, AfterValidator(_device_spec)]
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

@@ -46,11 +46,24 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(spec: str) -> torch.device:
-    """The device a service computes on ('auto': CUDA where torch sees a GPU, else the CPU). On CUDA this also turns
-    off SDPA's cuDNN attention backend for the process (`use_flash_or_efficient_attention`)."""
+class DeviceUnavailable(ValueError):
+    """The configured device is not here; the message names the key that asked for it."""
+
+
+def resolve_device(spec: str, key: str = "device") -> torch.device:
+    """The device a service computes on ('auto': CUDA where torch sees a GPU, else the CPU). A CUDA device torch does
+    not see (a CPU-only build of torch, no GPU visible, an index past the GPUs) is refused (DeviceUnavailable),
+    naming `key`. On CUDA this also turns off SDPA's cuDNN attention backend for the process
+    (`use_flash_or_efficient_attention`)."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU-only build" if torch.version.cuda is None
+                   else "torch sees no GPU here (CUDA_VISIBLE_DEVICES, the driver)")
+            raise DeviceUnavailable(f"{key}={spec}: {why} (torch {torch.__version__}); use {key}=cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise DeviceUnavailable(f"{key}={spec}: torch sees {count} GPU(s) here, cuda:0 to cuda:{count - 1}")
         use_flash_or_efficient_attention()
     return device
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .config import StrictModel
+from .config import DeviceSpec, StrictModel
 from .security import SecurityConfig
 
 
@@ -47,7 +47,7 @@ class ServerConfig(SecurityConfig):
         4096, ge=1, description="Rows of max_length tokens one request may carry (a Train carries the whole "
         "rollout); sets the gRPC receive limit (see max_message_mb). Rows of shorter sequences fit in proportion.")
     grace_period_s: float = Field(30.0, ge=0, description="How long in-flight work may take after SIGTERM.")
-    device: str = Field("auto", description="torch device for the model: auto (cuda if available), cpu, cuda, cuda:N.")
+    device: DeviceSpec = Field("auto", description="torch device for the model: auto (cuda if available), cpu, cuda, cuda:N.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads of this process (its thread budget when services "
                              "share a machine's cores); 0: torch's default, one per core.")
     compile: bool = Field(False, description="torch.compile the model's passes (Infer, Score, and the critic's Train "

@@ -44,6 +44,7 @@ def test_yaml_file_and_dotted_overrides(tmp_path):
         ("policy.dynamic_batching.enabled=true", ["policy.dynamic_batching.enabled=true", "train_mb_tokens",
                                                   "logprob_mb_tokens", "positive integer"]),
         ("policy.dynamic_batching.logprob_mb_tokens=0", ["policy.dynamic_batching.logprob_mb_tokens", "greater than"]),
+        ("policy.device=gpu", ["policy.device", "auto, cpu, cuda or cuda:N", "'gpu'"]),
     ],
 )
 def test_config_errors_name_the_key_and_what_is_allowed(override, words):

@@ -341,16 +341,26 @@ def test_a_compiled_pass_on_cuda_without_triton_is_refused_naming_its_key():
         require_compiler("compile", torch.device("cuda"))
 
 
-def test_a_cuda_device_turns_sdpa_cudnn_attention_off_and_the_cpu_leaves_it():
+def test_a_cuda_device_turns_sdpa_cudnn_attention_off_and_the_cpu_leaves_it(monkeypatch):
     """The services, the actor and the generation bench resolve their device through `resolve_device`: on CUDA it turns
     off SDPA's cuDNN backend, whose plan per new shape made stop-at-EOS generation 7x slower on an H100
-    (docs/PERFORMANCE.md). Setting the flag needs no GPU; the effect on speed is measured by the bench only."""
-    from serving.modeling import resolve_device
+    (docs/PERFORMANCE.md), and it refuses a GPU torch does not see, naming the key. Setting the flag needs no GPU; here
+    torch is told it sees two (the one thing faked); the effect on speed is measured by the bench only."""
+    from serving.modeling import DeviceUnavailable, resolve_device
 
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceUnavailable, match=r"^policy.device=cuda: (this torch is a CPU-only build|torch sees "
+                                                     r"no GPU here)"):
+            resolve_device("cuda", "policy.device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     was = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
         assert resolve_device("cpu") == torch.device("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        with pytest.raises(DeviceUnavailable, match=r"^device=cuda:2: torch sees 2 GPU\(s\) here, cuda:0 to cuda:1$"):
+            resolve_device("cuda:2")
         assert torch.backends.cuda.cudnn_sdp_enabled()
         assert resolve_device("cuda:1") == torch.device("cuda", 1)
         assert not torch.backends.cuda.cudnn_sdp_enabled()

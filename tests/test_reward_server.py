@@ -651,6 +651,21 @@ def test_normalize_reward_without_a_reward_model_to_normalise_is_a_config_error(
     assert done.returncode == 2 and words in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("module, setting, code, words", [
+    ("reward_server", "device=gpu", 2, "device: expected auto, cpu, cuda or cuda:N (N a GPU index), got 'gpu'"),
+    ("critic_server", "device=cuda:99", 1, "error: device=cuda:99: "),
+    ("reward_server", "device=cuda:99", 1, "error: device=cuda:99: "),
+    ("actor", "policy.device=cuda:99", 1, "error: policy.device=cuda:99: "),
+])
+def test_a_device_that_is_not_there_is_refused_at_start_naming_the_key(module, setting, code, words, tmp_path):
+    """A device that is no torch device is a config error; a GPU torch does not see here (a CPU-only build, none
+    visible, an index past them) is refused before the model loads, naming the key, without a traceback."""
+    place = {"critic_server": ["--checkpoint-dir", str(tmp_path)], "actor": [f"run_dir={tmp_path}"]}.get(module, [])
+    done = subprocess.run([sys.executable, "-m", module, "--http-port", "0", *place, setting], cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == code and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("stats, complaint", [({}, "has no `mean`"), ({"mean": 0.0, "std": 0.0}, "std=0.0; expected a number > 0"),
                                               ({"mean": "x", "std": 1.0}, "mean='x'; expected a finite number"),
                                               ({"mean": 0.0, "std": float("inf")}, "std=inf; expected a finite number")])
