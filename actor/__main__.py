@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     with imports_without_gc():
         import transformers
 
+        from embedded import ModelNotFound
         from serving.codec import retain_freed_memory
         from serving.modeling import CompileUnavailable, DeviceUnavailable
         from serving.rest import PortTaken
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = PPOTrainer(cfg)
     except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment,
-            CompileUnavailable, DeviceUnavailable, PortTaken) as e:
+            CompileUnavailable, DeviceUnavailable, ModelNotFound, PortTaken) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

@@ -239,7 +239,7 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
         raise ResumeError(f"{checkpoint} holds {'a LoRA adapter' if holds_adapter else 'full policy weights'}, but "
                           f"policy.lora is {'null' if cfg.lora is None else 'set'}: resume with the policy.lora the "
                           "run was started with, or checkpointing.resume=never")
-    base_path = resolve_model(cfg.model_name) if saved is None or holds_adapter else str(saved)
+    base_path = resolve_model(cfg.model_name, key="policy.model_name") if saved is None or holds_adapter else str(saved)
     # trained weights stay float32 (the passes run in `dtype` under autocast: mixed precision); LoRA's frozen base
     # is held in `dtype`, its adapters in float32 (peft's default)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype if cfg.lora is not None else torch.float32,
@@ -273,7 +273,8 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
     elif with_reference:
         # float32 like the policy, both computing under the same autocast: at the start the two agree exactly (a
         # bf16 copy would differ in its norms and biases, which autocast leaves to their weights' dtype)
-        ref = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.reference_model_name or cfg.model_name),
+        ref_key = "policy.reference_model_name" if cfg.reference_model_name else "policy.model_name"
+        ref = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.reference_model_name or cfg.model_name, key=ref_key),
                                                    dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
         ref.eval().requires_grad_(False)
         if cfg.reference_offload:

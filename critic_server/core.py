@@ -107,7 +107,7 @@ class CriticCore:
             log.info("resume=latest: resuming from %s, the newest checkpoint in %s (not model=%s)", self.source,
                      cfg.checkpoint_dir, cfg.model)
         else:
-            path = resolve_model(cfg.model)
+            path = resolve_model(cfg.model, key="model")
             log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
                      cfg.checkpoint_dir)
         # float32 weights, which the optimizer updates; its passes compute in `dtype` under autocast (mixed precision)
@@ -135,7 +135,7 @@ class CriticCore:
         self.value_packing = KeptPacking(self.model, cfg.batching.max_tokens_per_pass, prepack)
         self.reward_model = None
         if cfg.reward_model is not None:
-            rm_path = resolve_model(cfg.reward_model)
+            rm_path = resolve_model(cfg.reward_model, key="reward_model")
             self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype], trained_head=True,
                                                        trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
             self.reward_model.requires_grad_(False)

@@ -8,7 +8,7 @@ push the policy towards ~0.9 within minutes on a CPU.
     assets = ensure_built()                      # builds once (< 1 min), then reuses the cache
     resolve_model("embedded:policy")             # -> str path of the SFT policy checkpoint
     resolve_model("embedded:reward")             # -> str path of the reward-model checkpoint
-    resolve_model("/some/dir") == "/some/dir"    # anything else is returned unchanged
+    resolve_model("/some/dir") == "/some/dir"    # a local directory or a hub id is returned as it is
 
 Assets live in `<cache>/embedded-v<N>/`, where <cache> is the `cache_dir` argument, else the
 `PPO_SERVICES_CACHE` environment variable, else `~/.cache/ppo-services`. A build goes into a temporary
@@ -125,16 +125,31 @@ def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> EmbeddedAss
     return EmbeddedAssets.at(root)
 
 
-def resolve_model(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """Map `"embedded:policy"` / `"embedded:reward"` to the built checkpoint directories (building them
-    if needed); return any other string (a local path or a hub id) unchanged.
+class ModelNotFound(ValueError):
+    """A model setting names no model: an unknown embedded name, or a local path with no directory there. The
+    message names the setting's key."""
 
-    Raises ValueError for another `"embedded:..."` name, which can only be a typo.
+
+def resolve_model(spec: str, cache_dir: str | os.PathLike[str] | None = None, key: str = "model") -> str:
+    """Map `"embedded:policy"` / `"embedded:reward"` to the built checkpoint directories (building them
+    if needed); return any other string (a local directory, `~` expanded, or a hub id) for `from_pretrained`.
+
+    Raises ModelNotFound, naming `key`, for another `"embedded:..."` name (a typo), and for a spec that can only be
+    a local path (absolute, or starting with `.` or `~`) or is a file, where there is no directory: transformers
+    would read it as a hub id and fail with a message about repository names.
     """
     if not spec.startswith(EMBEDDED_PREFIX):
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            return str(path)
+        if path.exists():
+            raise ModelNotFound(f"{key}={spec}: a file, where a model directory (config.json and weights) or a hub "
+                                "id is expected")
+        if path.is_absolute() or spec.startswith((".", "~")):
+            raise ModelNotFound(f"{key}={spec}: no such directory")
         return spec
     name = spec[len(EMBEDDED_PREFIX) :]
     if name not in ("policy", "reward"):
-        raise ValueError(f"unknown embedded model {spec!r}; expected 'embedded:policy' or 'embedded:reward'")
+        raise ModelNotFound(f"{key}={spec}: unknown embedded model; expected 'embedded:policy' or 'embedded:reward'")
     assets = ensure_built(cache_dir)
     return str(assets.policy if name == "policy" else assets.reward_model)

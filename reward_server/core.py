@@ -88,7 +88,7 @@ class RewardCore:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         if cfg.scorer is None:
-            path = resolve_model(cfg.model)
+            path = resolve_model(cfg.model, key="model")
             try:  # a decoder's `score` at the last valid position
                 self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True,
                                                     trust_remote_code=cfg.trust_remote_code)
@@ -100,7 +100,7 @@ class RewardCore:
             self.model.requires_grad_(False)
             self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",
                                                          cfg.model)
-            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else path, cfg.trust_remote_code)
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer, key="tokenizer") if cfg.tokenizer else path, cfg.trust_remote_code)
             self.scores = (compiled(self._encoder_scores(), cfg.compile, "compile", self.device) if self.encoder
                            else at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device)))
             self.vocab_size = int(self.model.config.vocab_size)
@@ -112,7 +112,7 @@ class RewardCore:
                 log.info("compile=true: Score pass compiled in %.1f s",
                          warm_up(self.scores, [self.model], self.device, packed=self.packing.packed))
         else:
-            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER), cfg.trust_remote_code)
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER, key="tokenizer"), cfg.trust_remote_code)
             self.vocab_size = len(self.tokenizer)
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))

@@ -7,6 +7,7 @@ embedded_cache_dir: $PPO_SERVICES_CACHE, else .cache/test).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -86,10 +87,17 @@ def test_resolve_model(assets: EmbeddedAssets, cache_dir: Path, monkeypatch: pyt
     assert resolve_model("embedded:reward", cache_dir) == str(assets.reward_model)
     monkeypatch.setenv(embedded.CACHE_ENV, str(cache_dir))
     assert resolve_model("embedded:reward") == str(assets.reward_model)
-    assert resolve_model("/some/local/dir") == "/some/local/dir"
-    assert resolve_model("org/model-name") == "org/model-name"
-    with pytest.raises(ValueError):
-        resolve_model("embedded:critic", cache_dir)
+    assert resolve_model(str(assets.policy)) == str(assets.policy)  # a local directory
+    assert resolve_model("org/model-name") == "org/model-name"  # a hub id, for from_pretrained
+    monkeypatch.setenv("HOME", str(assets.root))
+    assert resolve_model(f"~/{assets.policy.name}") == str(assets.policy)  # transformers would not expand it
+    # what can only be a local path, with no directory there, is refused naming the key (transformers would report
+    # a malformed hub id)
+    for spec, why in (("/some/local/dir", "no such directory"), ("./models/x", "no such directory"),
+                      ("~/nope", "no such directory"), (str(assets.prompts_train), "a file, where a model directory"),
+                      ("embedded:critic", "unknown embedded model; expected 'embedded:policy' or 'embedded:reward'")):
+        with pytest.raises(embedded.ModelNotFound, match=f"^policy.model_name={re.escape(spec)}: {why}"):
+            resolve_model(spec, cache_dir, key="policy.model_name")
     for path in (assets.prompts_train, assets.prompts_eval):
         prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
         assert prompts and all(p.endswith(f" {task.SEPARATOR}") for p in prompts)

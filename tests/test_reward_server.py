@@ -656,10 +656,15 @@ def test_normalize_reward_without_a_reward_model_to_normalise_is_a_config_error(
     ("critic_server", "device=cuda:99", 1, "error: device=cuda:99: "),
     ("reward_server", "device=cuda:99", 1, "error: device=cuda:99: "),
     ("actor", "policy.device=cuda:99", 1, "error: policy.device=cuda:99: "),
+    ("actor", "policy.model_name=/no/such/model", 1, "error: policy.model_name=/no/such/model: no such directory"),
+    ("critic_server", "model=./no-such-model", 1, "ModelNotFound: model=./no-such-model: no such directory"),
+    ("reward_server", "model=embedded:critic", 1, "model=embedded:critic: unknown embedded model; expected"),
 ])
-def test_a_device_that_is_not_there_is_refused_at_start_naming_the_key(module, setting, code, words, tmp_path):
+def test_a_device_or_model_that_is_not_there_is_refused_at_start_naming_the_key(module, setting, code, words, tmp_path):
     """A device that is no torch device is a config error; a GPU torch does not see here (a CPU-only build, none
-    visible, an index past them) is refused before the model loads, naming the key, without a traceback."""
+    visible, an index past them) is refused before the model loads, naming the key, without a traceback. So is a
+    model path with no directory there (which transformers would report as a malformed hub id), or an unknown
+    embedded name."""
     place = {"critic_server": ["--checkpoint-dir", str(tmp_path)], "actor": [f"run_dir={tmp_path}"]}.get(module, [])
     done = subprocess.run([sys.executable, "-m", module, "--http-port", "0", *place, setting], cwd=ROOT, check=False,
                           capture_output=True, text=True, timeout=120)
