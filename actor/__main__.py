@@ -20,7 +20,8 @@ FLAGS = {
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = parse_cli(ActorConfig, argv, "PPO actor: trains the policy against remote critic and reward servers.", FLAGS)
+    cfg = parse_cli(ActorConfig, argv, "PPO actor: trains the policy against remote critic and reward servers.", FLAGS,
+                    writes=("run_dir",))
     # torch and transformers only now: a config error above exits at once, not after seconds of imports
     with imports_without_gc():
         import transformers

@@ -21,7 +21,8 @@ FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS, SECURITY_SWITCHES)
+    cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS,
+                    SECURITY_SWITCHES, writes=("checkpoint_dir",))
     with imports_without_gc():  # torch and transformers load only after the config is valid
         from serving.modeling import DeviceUnavailable
         from serving.server import run_service

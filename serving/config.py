@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args
 
@@ -103,12 +104,29 @@ def load_config(model: type[Cfg], path: str | Path | None = None, overrides: lis
         raise ConfigError(format_validation_error(model, e, source)) from None
 
 
+def unwritable_dir(path: str, key: str) -> str | None:
+    """Why the service could not create and write the directory `path` (config key `key`), or None when it can. Leaves
+    nothing behind: the nearest existing ancestor gets a temporary directory, removed at once (permission bits alone
+    mislead where the service runs as root on a read-only mount or in /proc)."""
+    existing = Path(path).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{key}={path}: {existing} is a file, not a directory"
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".write-check-").cleanup()
+    except OSError as e:
+        return f"{key}={path}: cannot write in {existing} ({e.strerror or e})"
+    return None
+
+
 def parse_cli(
     model: type[Cfg], argv: list[str] | None, description: str, flags: dict[str, tuple[str, str]],
-    switches: frozenset[str] = frozenset(),
+    switches: frozenset[str] = frozenset(), writes: tuple[str, ...] = (),
 ) -> Cfg:
     """Command line of a service: `--config FILE`, the flags in `flags` (`--port` -> config key `port`,
-    with help text), and trailing dotted `key=value` overrides. Exits with status 2 on a config error."""
+    with help text), and trailing dotted `key=value` overrides. Exits with status 2 on a config error, and when a
+    directory named by a key in `writes` (where the service writes its work) cannot be created and written."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML config file; every key is documented in the README")
     for flag, (key, help_text) in flags.items():
@@ -121,6 +139,13 @@ def parse_cli(
     args = parser.parse_args(argv)
     overrides = [f"{key}={v}" for key, _ in flags.values() if (v := getattr(args, key.replace(".", "__"))) is not None]
     try:
-        return load_config(model, args.config, [*args.overrides, *overrides])
+        cfg = load_config(model, args.config, [*args.overrides, *overrides])
     except ConfigError as e:
         parser.exit(2, f"error: {e}\n")
+    for key in writes:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value and (why := unwritable_dir(str(value), key)):
+            parser.exit(2, f"error: {why}\n")
+    return cfg

@@ -298,3 +298,13 @@ def test_chat_reward_input_is_refused_where_nothing_would_send_conversations(ove
         load_config(ActorConfig, None, overrides)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+def test_a_writable_directory_passes_the_start_check_and_nothing_is_left_behind(tmp_path):
+    from serving.config import unwritable_dir
+
+    assert unwritable_dir(str(tmp_path / "runs" / "new"), "run_dir") is None
+    assert unwritable_dir(str(tmp_path), "run_dir") is None
+    assert list(tmp_path.iterdir()) == []  # neither the directory nor the probe is created
+    (tmp_path / "f").write_text("")
+    assert unwritable_dir(str(tmp_path / "f"), "run_dir") == f"run_dir={tmp_path / 'f'}: {tmp_path / 'f'} is a file, not a directory"

@@ -671,6 +671,19 @@ def test_a_device_or_model_that_is_not_there_is_refused_at_start_naming_the_key(
     assert done.returncode == code and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("module, key", [("actor", "run_dir"), ("critic_server", "checkpoint_dir")])
+def test_a_directory_the_service_cannot_write_is_refused_at_start_naming_the_key(module, key, tmp_path):
+    """Where the actor writes its run, and the critic its checkpoints, is checked before anything loads: a path
+    under a file is refused naming the key (not a traceback at the first write, steps later); nothing is created."""
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "sub"
+    done = subprocess.run([sys.executable, "-m", module, "--http-port", "0", f"{key}={target}"], cwd=ROOT,
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"error: {key}={target}: {tmp_path / 'a-file'} is a file, not a directory" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 @pytest.mark.parametrize("stats, complaint", [({}, "has no `mean`"), ({"mean": 0.0, "std": 0.0}, "std=0.0; expected a number > 0"),
                                               ({"mean": "x", "std": 1.0}, "mean='x'; expected a finite number"),
                                               ({"mean": 0.0, "std": float("inf")}, "std=inf; expected a finite number")])
