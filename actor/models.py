@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from embedded import resolve_model
+from embedded import naming_the_model, resolve_model
 
 from .checkpoints import ResumeError
 from .config import LoraConfig, PolicyConfig
@@ -274,8 +274,10 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
         # float32 like the policy, both computing under the same autocast: at the start the two agree exactly (a
         # bf16 copy would differ in its norms and biases, which autocast leaves to their weights' dtype)
         ref_key = "policy.reference_model_name" if cfg.reference_model_name else "policy.model_name"
-        ref = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.reference_model_name or cfg.model_name, key=ref_key),
-                                                   dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+        ref_spec = cfg.reference_model_name or cfg.model_name
+        with naming_the_model(ref_key, ref_spec):
+            ref = AutoModelForCausalLM.from_pretrained(resolve_model(ref_spec, key=ref_key), dtype=torch.float32,
+                                                       trust_remote_code=cfg.trust_remote_code)
         ref.eval().requires_grad_(False)
         if cfg.reference_offload:
             reference = OffloadedReference(ref, device)

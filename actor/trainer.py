@@ -32,7 +32,7 @@ from algorithms import (
     policy_loss,
     truncated_importance_weights,
 )
-from embedded import resolve_model
+from embedded import naming_the_model, resolve_model
 from serving.modeling import (
     TORCH_DTYPES,
     PassLimits,
@@ -103,7 +103,8 @@ class PPOTrainer:
         checkpoints.remove_leftovers(self.run_dir / "checkpoints")
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
         policy_path = str(self.resume_from / "actor") if self.resume_from else resolve_model(pol.model_name, key="policy.model_name")
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=pol.trust_remote_code)
+        with naming_the_model("policy.model_name", pol.model_name) if not self.resume_from else nullcontext():
+            self.tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=pol.trust_remote_code)
         # frozen layers, LoRA adapters, the reference's placement: actor/models.py
         self.models = load_models(pol, self.resume_from, self.device, dtype,
                                   with_reference=not p.skip_reference_policy_logprobs_calculation)

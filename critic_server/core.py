@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from algorithms import explained_variance, masked_mean, value_loss
-from embedded import resolve_model
+from embedded import naming_the_model, resolve_model
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
 from serving.metrics import PassObserver, no_observer
 from serving.modeling import (
@@ -111,8 +111,10 @@ class CriticCore:
             log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
                      cfg.checkpoint_dir)
         # float32 weights, which the optimizer updates; its passes compute in `dtype` under autocast (mixed precision)
-        self.model = load_scalar_head_model(path, torch.float32, trust_remote_code=cfg.trust_remote_code).to(self.device)
-        self.tokenizer = load_tokenizer(path, cfg.trust_remote_code)
+        with naming_the_model("model", cfg.model) if latest is None else contextlib.nullcontext():
+            self.model = load_scalar_head_model(path, torch.float32, trust_remote_code=cfg.trust_remote_code)
+            self.tokenizer = load_tokenizer(path, cfg.trust_remote_code)
+        self.model = self.model.to(self.device)
         self.model_dir = path  # where its own model code (trust_remote_code) lies, copied into each checkpoint
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_length = max_length_of(self.model)
@@ -136,8 +138,10 @@ class CriticCore:
         self.reward_model = None
         if cfg.reward_model is not None:
             rm_path = resolve_model(cfg.reward_model, key="reward_model")
-            self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype], trained_head=True,
-                                                       trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
+            with naming_the_model("reward_model", cfg.reward_model):
+                self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype], trained_head=True,
+                                                           trust_remote_code=cfg.trust_remote_code)
+            self.reward_model = self.reward_model.to(self.device).eval()
             self.reward_model.requires_grad_(False)
             if vocab_sha256(load_tokenizer(rm_path, cfg.trust_remote_code)) != self.vocab_sha256:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")

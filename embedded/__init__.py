@@ -18,11 +18,13 @@ start together build once and the others wait.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +130,16 @@ def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> EmbeddedAss
 class ModelNotFound(ValueError):
     """A model setting names no model: an unknown embedded name, or a local path with no directory there. The
     message names the setting's key."""
+
+
+@contextlib.contextmanager
+def naming_the_model(key: str, spec: str) -> Iterator[None]:
+    """Within the block, an OSError of transformers loading the model `spec` (a hub id it could not fetch, a directory
+    without a model in it) is raised again as ModelNotFound naming the setting `key`."""
+    try:
+        yield
+    except OSError as e:
+        raise ModelNotFound(f"{key}={spec}: {e}") from e
 
 
 def resolve_model(spec: str, cache_dir: str | os.PathLike[str] | None = None, key: str = "model") -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embedded import resolve_model
+from embedded import naming_the_model, resolve_model
 from serving.errors import InvalidArgument
 from serving.metrics import PassObserver, no_observer
 from serving.modeling import (
@@ -89,13 +89,14 @@ class RewardCore:
         torch.manual_seed(cfg.seed)
         if cfg.scorer is None:
             path = resolve_model(cfg.model, key="model")
-            try:  # a decoder's `score` at the last valid position
-                self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True,
-                                                    trust_remote_code=cfg.trust_remote_code)
-            except NoScoreHead:  # an encoder's own pooling and head over the whole sequence
-                self.model = load_sequence_classifier(path, TORCH_DTYPES[cfg.dtype],
-                                                      trust_remote_code=cfg.trust_remote_code)
-                self.encoder = True
+            with naming_the_model("model", cfg.model):
+                try:  # a decoder's `score` at the last valid position
+                    self.model = load_scalar_head_model(path, TORCH_DTYPES[cfg.dtype], trained_head=True,
+                                                        trust_remote_code=cfg.trust_remote_code)
+                except NoScoreHead:  # an encoder's own pooling and head over the whole sequence
+                    self.model = load_sequence_classifier(path, TORCH_DTYPES[cfg.dtype],
+                                                          trust_remote_code=cfg.trust_remote_code)
+                    self.encoder = True
             self.model = self.model.to(self.device).eval()
             self.model.requires_grad_(False)
             self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",

@@ -5,6 +5,7 @@ traceback."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 
@@ -40,15 +41,18 @@ def test_the_collector_is_off_within_and_back_after_with_what_was_made_frozen():
     ("actor", "policy.model_name=/no/such/model", 1, "error: policy.model_name=/no/such/model: no such directory"),
     ("critic_server", "model=./no-such-model", 1, "ModelNotFound: model=./no-such-model: no such directory"),
     ("reward_server", "model=embedded:critic", 1, "model=embedded:critic: unknown embedded model; expected"),
+    # a hub id that is neither cached nor reachable (offline here): transformers' reason, under the key
+    ("actor", "policy.model_name=no-such-org/no-such-model", 1, "error: policy.model_name=no-such-org/no-such-model: "),
+    ("reward_server", "model=no-such-org/no-such-model", 1, "ModelNotFound: model=no-such-org/no-such-model: "),
 ])
 def test_a_device_or_model_that_is_not_there_is_refused_at_start_naming_the_key(module, setting, code, words, tmp_path):
     """A device that is no torch device is a config error; a GPU torch does not see here (a CPU-only build, none
     visible, an index past them) is refused before the model loads, naming the key, without a traceback. So is a
-    model path with no directory there (which transformers would report as a malformed hub id), or an unknown
-    embedded name."""
+    model path with no directory there (which transformers would report as a malformed hub id), an unknown embedded
+    name, or a hub id transformers cannot load (its reason, under the key)."""
     place = {"critic_server": ["--checkpoint-dir", str(tmp_path)], "actor": [f"run_dir={tmp_path}"]}.get(module, [])
     done = subprocess.run([sys.executable, "-m", module, "--http-port", "0", *place, setting], cwd=ROOT, check=False,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == code and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
