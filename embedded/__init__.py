@@ -128,8 +128,8 @@ def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> EmbeddedAss
 
 
 class ModelNotFound(ValueError):
-    """A model setting names no model: an unknown embedded name, or a local path with no directory there. The
-    message names the setting's key."""
+    """A model setting names no model: an unknown embedded name, a local path with no directory there, a file, or a
+    spec transformers could not load (`naming_the_model`). The message names the setting's key."""
 
 
 @contextlib.contextmanager
