@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from embedded import naming_the_model, resolve_model
+from serving.modeling import embeddable_pad_id
 
 from .checkpoints import ResumeError
 from .config import LoraConfig, PolicyConfig
@@ -42,26 +43,21 @@ class ModelSetupError(ValueError):
 
 
 def padding_id(tokenizer: PreTrainedTokenizerBase, embedding_rows: int, source: str) -> int:
-    """The id generated rows are padded with: the tokenizer's pad token, else its EOS. Padding positions are masked,
-    so any id the policy can embed will do: a pad token added to the tokenizer without resizing the model's
-    embeddings (an id past its `embedding_rows`) is passed over for EOS, with a warning. ModelSetupError names
-    policy.model_name when neither exists or fits."""
-    named = [(name, i) for name, i in (("pad", tokenizer.pad_token_id), ("EOS", tokenizer.eos_token_id)) if i is not None]
+    """The id generated rows are padded with (`embeddable_pad_id`: the tokenizer's pad token, else its EOS, the first
+    the policy can embed). ModelSetupError names policy.model_name when neither exists or fits."""
+    pad = embeddable_pad_id(tokenizer, embedding_rows, source, "policy")
+    if pad is not None:
+        return pad
+    named = [f"{name} {i}" for name, i in (("pad", tokenizer.pad_token_id), ("EOS", tokenizer.eos_token_id))
+             if i is not None]
     if not named:
         raise ModelSetupError(f"policy.model_name: the tokenizer of {source} has neither a pad token nor an EOS token; "
                               "generation pads rows with one of them (set pad_token or eos_token in its "
                               "tokenizer_config.json)")
-    fits = [(name, i) for name, i in named if 0 <= i < embedding_rows]
-    if not fits:
-        raise ModelSetupError(
-            f"policy.model_name: the tokenizer of {source} pads with ids past the policy's embedding table "
-            f"({embedding_rows} rows): {', '.join(f'{name} {i}' for name, i in named)}; the tokenizer has tokens the "
-            "model was not resized for (model.resize_token_embeddings(len(tokenizer)), then save it)")
-    if fits[0] != named[0]:
-        log.warning("the pad token of %s (id %d) is past the policy's embedding table (%d rows), which was not resized "
-                    "for it; rows are padded with %s (id %d) instead (padding positions are masked)", source,
-                    named[0][1], embedding_rows, *fits[0])
-    return fits[0][1]
+    raise ModelSetupError(
+        f"policy.model_name: the tokenizer of {source} pads with ids past the policy's embedding table "
+        f"({embedding_rows} rows): {', '.join(named)}; the tokenizer has tokens the "
+        "model was not resized for (model.resize_token_embeddings(len(tokenizer)), then save it)")
 
 
 # --- the reference policy ------------------------------------------------------------------------------------

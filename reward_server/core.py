@@ -23,6 +23,7 @@ from serving.modeling import (
     at_last_token,
     by_length,
     compiled,
+    embeddable_pad_id,
     load_scalar_head_model,
     load_sequence_classifier,
     load_tokenizer,
@@ -118,14 +119,9 @@ class RewardCore:
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
-        # padding is masked, so any id the model embeds will do: a pad token added to the tokenizer without resizing
-        # the model's embeddings (an id past them) gives way to EOS, then to 0
-        self.pad_id = next(int(i) for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
-                           if i is not None and 0 <= i < self.vocab_size)
-        if cfg.scorer is None and self.tokenizer.pad_token_id not in (None, self.pad_id):  # as the actor warns
-            log.warning("the pad token of %s (id %d) is past the model's %d embedding rows, which were not resized for "
-                        "it; rows are padded with id %d instead (padding positions are masked)", self.source,
-                        self.tokenizer.pad_token_id, self.vocab_size, self.pad_id)
+        # with neither a pad nor an EOS token the model can embed, id 0: padding positions are masked
+        pad = embeddable_pad_id(self.tokenizer, self.vocab_size, self.source)
+        self.pad_id = 0 if pad is None else pad
         log.info("reward %s loaded on %s (vocab %d, max length %d, components %s)", self.source, self.device,
                  self.vocab_size, self.max_length, self.component_scorers)
 

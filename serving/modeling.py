@@ -68,6 +68,21 @@ def resolve_device(spec: str, key: str = "device") -> torch.device:
     return device
 
 
+def embeddable_pad_id(tokenizer: PreTrainedTokenizerBase, embedding_rows: int, source: str,
+                      model: str = "model") -> int | None:
+    """The id rows are padded with: the tokenizer's pad token, else its EOS, the first that the model (`model`, for
+    the log) can embed, an id below its `embedding_rows`. Padding positions are masked, so any such id will do: a pad
+    token added to the tokenizer without resizing the model's embeddings is passed over, with a warning. None when
+    neither exists or fits."""
+    named = [(name, i) for name, i in (("pad", tokenizer.pad_token_id), ("EOS", tokenizer.eos_token_id)) if i is not None]
+    fits = [(name, i) for name, i in named if 0 <= i < embedding_rows]
+    if fits and fits[0] != named[0]:
+        log.warning("the pad token of %s (id %d) is past the %s's embedding table (%d rows), which was not resized "
+                    "for it; rows are padded with %s (id %d) instead (padding positions are masked)", source,
+                    named[0][1], model, embedding_rows, *fits[0])
+    return fits[0][1] if fits else None
+
+
 def use_flash_or_efficient_attention() -> None:
     """Keep `scaled_dot_product_attention` off its cuDNN backend (torch then picks flash or memory-efficient attention,
     the same numerics class). cuDNN builds an execution plan for every new shape, and our shapes change all the time

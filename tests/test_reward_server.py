@@ -531,8 +531,8 @@ def test_texts_are_scored_as_the_reward_model_s_tokenizer_encodes_a_text(embedde
         expect_invalid(stub.Score, reward_pb2.ScoreRequest(texts=["good", "river [PAD] castle"]), "texts[1]", "'[PAD]'",
                        "not resized")
         channel.close()
-    assert (f"(id {tok.pad_token_id}) is past the model's {tok.pad_token_id} embedding rows, which were not resized "
-            f"for it; rows are padded with id {tok.eos_token_id} instead") in proc.log()
+    assert (f"(id {tok.pad_token_id}) is past the model's embedding table ({tok.pad_token_id} rows), which was not "
+            f"resized for it; rows are padded with EOS (id {tok.eos_token_id}) instead") in proc.log()
     rows = [[tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]] for text in ("river castle good", "city")]
     with torch.no_grad():
         expected = torch.cat([last_token_scores(per_token_scores(reference_model, torch.tensor([r]),
