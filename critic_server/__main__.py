@@ -1,7 +1,5 @@
 """`python -m critic_server [--port 5555] [--model PATH] [--config FILE] [key=value ...]`."""
 
-import sys
-
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
 from serving.startup import imports_without_gc
@@ -24,16 +22,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_cli(CriticConfig, argv, "PPO critic server (value inference and training over gRPC).", FLAGS,
                     SECURITY_SWITCHES, writes=("checkpoint_dir",))
     with imports_without_gc():  # torch and transformers load only after the config is valid
-        from serving.modeling import DeviceUnavailable
         from serving.server import run_service
 
         from .servicer import CriticService
 
-    try:
-        service = CriticService(cfg)
-    except DeviceUnavailable as e:
-        sys.exit(f"error: {e}")
-    run_service(service)
+    run_service(lambda: CriticService(cfg))
 
 
 if __name__ == "__main__":

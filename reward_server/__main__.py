@@ -1,7 +1,5 @@
 """`python -m reward_server [--port 5556] [--model PATH | --scorer NAME] [--config FILE] [key=value ...]`."""
 
-import sys
-
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
 from serving.startup import imports_without_gc
@@ -24,16 +22,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_cli(RewardConfig, argv, "PPO reward server (rewards over gRPC and POST /get_reward).", FLAGS,
                     SECURITY_SWITCHES)
     with imports_without_gc():  # torch and transformers load only after the config is valid
-        from serving.modeling import DeviceUnavailable
         from serving.server import run_service
 
         from .servicer import RewardService
 
-    try:
-        service = RewardService(cfg)
-    except DeviceUnavailable as e:
-        sys.exit(f"error: {e}")
-    run_service(service)
+    run_service(lambda: RewardService(cfg))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from .batching import ModelWorker
 from .codec import retain_freed_memory
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
+from .modeling import DeviceUnavailable
 from .rest import PortTaken, QuietUvicorn, add_ops_routes, bind_http
 from .security import (
     AuthInterceptor,
@@ -304,11 +305,16 @@ class Service:
         return exit_code
 
 
-def run_service(service: Service) -> None:
-    """Entry point of `python -m <server>`: logging, event loop, then exit: 0 after a clean shutdown, 1 when
-    the server could not start or its model worker failed."""
+def run_service(make_service: Callable[[], Service]) -> None:
+    """Entry point of `python -m <server>`: logging, the service (`make_service()`; a device that is not here exits
+    1 with the reason, naming the key), event loop, then exit: 0 after a clean shutdown, 1 when the server could not
+    start or its model worker failed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()
+    try:
+        service = make_service()
+    except DeviceUnavailable as e:
+        sys.exit(f"error: {e}")
     code = asyncio.run(service.serve())
     if service.abandoned:  # a model thread is still busy: exit now rather than wait for it or tear it down
         logging.shutdown()
