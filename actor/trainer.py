@@ -102,7 +102,8 @@ class PPOTrainer:
         dtype = TORCH_DTYPES[pol.precision]
         checkpoints.remove_leftovers(self.run_dir / "checkpoints")
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
-        policy_path = str(self.resume_from / "actor") if self.resume_from else resolve_model(pol.model_name, key="policy.model_name")
+        policy_path = (str(self.resume_from / "actor") if self.resume_from
+                       else resolve_model(pol.model_name, key="policy.model_name"))
         with naming_the_model("policy.model_name", pol.model_name) if not self.resume_from else nullcontext():
             self.tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=pol.trust_remote_code)
         # frozen layers, LoRA adapters, the reference's placement: actor/models.py

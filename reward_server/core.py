@@ -102,7 +102,8 @@ class RewardCore:
             self.model.requires_grad_(False)
             self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",
                                                          cfg.model)
-            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer, key="tokenizer") if cfg.tokenizer else path, cfg.trust_remote_code)
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer, key="tokenizer") if cfg.tokenizer else path,
+                                            cfg.trust_remote_code)
             self.scores = (compiled(self._encoder_scores(), cfg.compile, "compile", self.device) if self.encoder
                            else at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device)))
             self.vocab_size = int(self.model.config.vocab_size)
@@ -114,7 +115,8 @@ class RewardCore:
                 log.info("compile=true: Score pass compiled in %.1f s",
                          warm_up(self.scores, [self.model], self.device, packed=self.packing.packed))
         else:
-            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER, key="tokenizer"), cfg.trust_remote_code)
+            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer or _RULE_TOKENIZER, key="tokenizer"),
+                                            cfg.trust_remote_code)
             self.vocab_size = len(self.tokenizer)
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))

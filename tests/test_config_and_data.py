@@ -307,4 +307,5 @@ def test_a_writable_directory_passes_the_start_check_and_nothing_is_left_behind(
     assert unwritable_dir(str(tmp_path), "run_dir") is None
     assert list(tmp_path.iterdir()) == []  # neither the directory nor the probe is created
     (tmp_path / "f").write_text("")
-    assert unwritable_dir(str(tmp_path / "f"), "run_dir") == f"run_dir={tmp_path / 'f'}: {tmp_path / 'f'} is a file, not a directory"
+    assert (unwritable_dir(str(tmp_path / "f"), "run_dir")
+            == f"run_dir={tmp_path / 'f'}: {tmp_path / 'f'} is a file, not a directory")
