@@ -141,9 +141,10 @@ class CriticCore:
             with naming_the_model("reward_model", cfg.reward_model):
                 self.reward_model = load_scalar_head_model(rm_path, TORCH_DTYPES[cfg.dtype], trained_head=True,
                                                            trust_remote_code=cfg.trust_remote_code)
+                rm_tokenizer = load_tokenizer(rm_path, cfg.trust_remote_code)
             self.reward_model = self.reward_model.to(self.device).eval()
             self.reward_model.requires_grad_(False)
-            if vocab_sha256(load_tokenizer(rm_path, cfg.trust_remote_code)) != self.vocab_sha256:
+            if vocab_sha256(rm_tokenizer) != self.vocab_sha256:
                 raise SystemExit(f"reward_model {cfg.reward_model} has a different tokenizer than model {cfg.model}")
             self.max_length = min(self.max_length, max_length_of(self.reward_model))
             self.normalize_reward = reward_normalization(self.reward_model.config, cfg.normalize_reward,

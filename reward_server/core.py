@@ -102,8 +102,9 @@ class RewardCore:
             self.model.requires_grad_(False)
             self.normalize_reward = reward_normalization(self.model.config, cfg.normalize_reward, "normalize_reward",
                                                          cfg.model)
-            self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer, key="tokenizer") if cfg.tokenizer else path,
-                                            cfg.trust_remote_code)
+            with naming_the_model("tokenizer", cfg.tokenizer) if cfg.tokenizer else naming_the_model("model", cfg.model):
+                self.tokenizer = load_tokenizer(resolve_model(cfg.tokenizer, key="tokenizer") if cfg.tokenizer else path,
+                                                cfg.trust_remote_code)
             self.scores = (compiled(self._encoder_scores(), cfg.compile, "compile", self.device) if self.encoder
                            else at_last_token(compiled(per_token_scores, cfg.compile, "compile", self.device)))
             self.vocab_size = int(self.model.config.vocab_size)
