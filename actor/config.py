@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from serving.config import DeviceSpec, StrictModel
+from serving.config import DeviceSpec, DirPath, StrictModel
 
 AdvEstimatorName = Literal["gae", "raw_reward", "grpo", "gdpo", "reinforce_plus_plus"]
 KLType = Literal["k1", "k2", "k3"]
@@ -383,7 +383,7 @@ class EnvConfig(StrictModel):
 class ActorConfig(StrictModel):
     """Every key of the actor, with its default."""
 
-    run_dir: str = Field("runs/ppo", description="metrics.jsonl, TensorBoard events, reward_curve.png and checkpoints go here.")
+    run_dir: DirPath = Field("runs/ppo", description="metrics.jsonl, TensorBoard events, reward_curve.png and checkpoints go here.")
     host: str = Field("127.0.0.1", description="Interface of the actor's REST endpoints.")
     http_port: int = Field(8000, ge=0, le=65535, description="REST port for /health, /ready, /metrics; 0 disables.")
     auth_token_file: str | None = Field(None, description="File holding the bearer token the servers require (the environment variable PPO_SERVICES_AUTH_TOKEN is read when this is unset); sent on every call.")

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from serving.config import StrictModel
+from serving.config import DirPath, StrictModel
 from serving.server_config import ServerConfig
 
 
@@ -56,7 +56,7 @@ class CriticConfig(ServerConfig):
         "checkpoint's own normalize_reward; true requires mean and std there; false reads the head as it is.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype: bfloat16 or float16 run Infer and Train under torch.autocast with float32 critic weights, which the optimizer updates (mixed precision; float16 without loss scaling, so prefer bfloat16); a combined reward model (--reward-model) is held in it.")
-    checkpoint_dir: str = Field(
+    checkpoint_dir: DirPath = Field(
         "checkpoints/critic", description="Where Save and autosave write <checkpoint_dir>/<tag>; what `resume` reads."
     )
     keep_last: int = Field(

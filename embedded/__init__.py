@@ -146,13 +146,16 @@ def resolve_model(spec: str, cache_dir: str | os.PathLike[str] | None = None, ke
     """Map `"embedded:policy"` / `"embedded:reward"` to the built checkpoint directories (building them
     if needed); return any other string (a local directory, `~` expanded, or a hub id) for `from_pretrained`.
 
-    Raises ModelNotFound, naming `key`, for another `"embedded:..."` name (a typo), and for a spec that can only be
-    a local path (absolute, or starting with `.` or `~`) or is a file, where there is no directory: transformers
-    would read it as a hub id and fail with a message about repository names.
+    Raises ModelNotFound, naming `key`, for another `"embedded:..."` name (a typo), for an empty directory, and for a
+    spec that can only be a local path (absolute, or starting with `.` or `~`) or is a file, where there is no
+    directory: transformers would read it as a hub id and fail with a message about repository names.
     """
     if not spec.startswith(EMBEDDED_PREFIX):
         path = Path(spec).expanduser()
         if path.is_dir():
+            if not any(path.iterdir()):  # transformers would say "Unrecognized model", naming no setting
+                raise ModelNotFound(f"{key}={spec}: an empty directory, where a model (config.json and weights) or a "
+                                    "tokenizer is expected")
             return str(path)
         if path.exists():
             raise ModelNotFound(f"{key}={spec}: a file, where a model directory (config.json and weights) or a hub "

@@ -37,6 +37,10 @@ def _device_spec(value: str) -> str:
 # the service resolves it (serving.modeling.resolve_device)
 DeviceSpec = Annotated[str, AfterValidator(_device_spec)]
 
+# A directory the service writes in (`run_dir`, `checkpoint_dir`): a leading `~` is the user's home, as a shell would
+# read it, whether the value came from YAML or from an override the shell left alone (`run_dir=~/runs`)
+DirPath = Annotated[str, AfterValidator(lambda value: str(Path(value).expanduser()) if value else value)]
+
 
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Set `a.b.c=value` in nested dict `data`; the value is parsed as YAML (`3`, `true`, `[1, 2]`, `null`)."""

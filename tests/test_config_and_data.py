@@ -309,3 +309,14 @@ def test_a_writable_directory_passes_the_start_check_and_nothing_is_left_behind(
     (tmp_path / "f").write_text("")
     assert (unwritable_dir(str(tmp_path / "f"), "run_dir")
             == f"run_dir={tmp_path / 'f'}: {tmp_path / 'f'} is a file, not a directory")
+
+
+def test_a_leading_tilde_in_a_directory_key_is_the_home_directory(tmp_path, monkeypatch):
+    """`run_dir=~/runs` from a command line (where the shell leaves `~` after `=` alone) or from YAML writes under the
+    home directory, not into a directory named `~` beside the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("run_dir: ~/runs/ppo\n")
+    assert load_config(ActorConfig, path).run_dir == str(tmp_path / "runs" / "ppo")
+    assert load_config(CriticConfig, None, ["checkpoint_dir=~/ckpt"]).checkpoint_dir == str(tmp_path / "ckpt")
+    assert load_config(ActorConfig).run_dir == "runs/ppo"  # a relative path stays relative to the working directory

@@ -82,7 +82,8 @@ def test_tokenizer_round_trip(assets: EmbeddedAssets) -> None:
     assert vocab_sha256(rm_tok) == vocab_sha256(tok)
 
 
-def test_resolve_model(assets: EmbeddedAssets, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_model(assets: EmbeddedAssets, cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                       tmp_path: Path) -> None:
     assert resolve_model("embedded:policy", cache_dir) == str(assets.policy)
     assert resolve_model("embedded:reward", cache_dir) == str(assets.reward_model)
     monkeypatch.setenv(embedded.CACHE_ENV, str(cache_dir))
@@ -93,7 +94,9 @@ def test_resolve_model(assets: EmbeddedAssets, cache_dir: Path, monkeypatch: pyt
     assert resolve_model(f"~/{assets.policy.name}") == str(assets.policy)  # transformers would not expand it
     # what can only be a local path, with no directory there, is refused naming the key (transformers would report
     # a malformed hub id)
+    (tmp_path / "empty-model").mkdir()  # transformers would say "Unrecognized model", naming no key
     for spec, why in (("/some/local/dir", "no such directory"), ("./models/x", "no such directory"),
+                      (str(tmp_path / "empty-model"), "an empty directory, where a model"),
                       ("~/nope", "no such directory"), (str(assets.prompts_train), "a file, where a model directory"),
                       ("embedded:critic", "unknown embedded model; expected 'embedded:policy' or 'embedded:reward'")):
         with pytest.raises(embedded.ModelNotFound, match=f"^policy.model_name={re.escape(spec)}: {why}"):
