@@ -42,6 +42,7 @@ from serving.modeling import (
     max_length_of,
     mixed_precision,
     resolve_device,
+    set_thread_budget,
     torch_threads,
     warm_up,
 )
@@ -96,8 +97,7 @@ class PPOTrainer:
 
         p, pol, gen = cfg.ppo, cfg.policy, cfg.policy.generation
         torch.manual_seed(p.seed)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        set_thread_budget(cfg.num_threads)
         self.device = resolve_device(pol.device, "policy.device")
         dtype = TORCH_DTYPES[pol.precision]
         checkpoints.remove_leftovers(self.run_dir / "checkpoints")

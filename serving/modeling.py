@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -278,6 +279,18 @@ def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
     """Right-pad [B_i, S_i] tensors to the longest S and concatenate along the batch."""
     width = max(r.shape[1] for r in rows)
     return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
+
+
+def set_thread_budget(n: int, key: str = "num_threads") -> None:
+    """The process's torch threads set to `n` (0: torch's default, one per core), with a warning where `n` is more
+    than the cores this process may run on: threads past them time-slice the same cores and a step gets slower."""
+    if n <= 0:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or n
+    if n > cores:
+        log.warning("%s=%d is more than the %d CPU cores this process may use; torch's threads will contend for them "
+                    "(a value at most %d is faster)", key, n, cores, cores)
+    torch.set_num_threads(n)
 
 
 @contextmanager

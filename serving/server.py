@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
 import transformers
 import uvicorn
 from fastapi import FastAPI
@@ -34,7 +33,7 @@ from .batching import ModelWorker
 from .codec import retain_freed_memory
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
-from .modeling import DeviceUnavailable
+from .modeling import DeviceUnavailable, set_thread_budget
 from .rest import PortTaken, QuietUvicorn, add_ops_routes, bind_http
 from .security import (
     AuthInterceptor,
@@ -202,8 +201,7 @@ class Service:
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT; returns the process exit code."""
         cfg = self.cfg
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        set_thread_budget(cfg.num_threads)
         retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

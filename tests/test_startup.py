@@ -69,3 +69,24 @@ def test_a_directory_the_service_cannot_write_is_refused_at_start_naming_the_key
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"error: {key}={target}: {tmp_path / 'a-file'} is a file, not a directory" in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_thread_budget_past_the_cores_is_set_with_a_warning(caplog):
+    import torch
+
+    from serving.modeling import set_thread_budget
+
+    before, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    try:
+        with caplog.at_level("WARNING", logger="serving.modeling"):
+            set_thread_budget(cores, "num_threads")
+            assert torch.get_num_threads() == cores and not caplog.records
+            set_thread_budget(cores + 3, "policy.num_threads")
+        assert torch.get_num_threads() == cores + 3  # the user's choice stands; the log says what it costs
+        assert [r.getMessage() for r in caplog.records] == [
+            f"policy.num_threads={cores + 3} is more than the {cores} CPU cores this process may use; torch's "
+            f"threads will contend for them (a value at most {cores} is faster)"]
+        set_thread_budget(0)  # torch's default: unchanged
+        assert torch.get_num_threads() == cores + 3
+    finally:
+        torch.set_num_threads(before)
