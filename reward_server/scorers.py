@@ -60,12 +60,15 @@ def final_answer(text: str, *, last_number: bool) -> str | None:
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_EXPONENT = re.compile(r"[eE][-+]?([\d_]+)")
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
 
 
 def as_number(text: str) -> Fraction | None:
-    """`text` as an exact number: integers, decimals, a/b, \\frac{a}{b}, with thousands separators, a leading $ or
-    a trailing % / . / unit-less TeX spacing dropped; None when it is not one."""
+    """`text` as an exact number: integers, decimals (in e-notation too), a/b, \\frac{a}{b}, with thousands
+    separators, a leading $ or a trailing % / . / unit-less TeX spacing dropped; None when it is not one, and for an
+    exponent of more than 3 digits, which Fraction would expand digit by digit (a 20-byte `1e20000000` held the
+    scorer for seconds; such an answer compares as text)."""
     t = text.strip().strip("$").replace("\\!", "").replace("\\,", "").replace(" ", "")
     t = t.removesuffix("\\%").removesuffix("%").rstrip(".")
     frac = _FRAC.match(t)
@@ -73,6 +76,8 @@ def as_number(text: str) -> Fraction | None:
         t = f"{frac.group(1)}{frac.group(2)}/{frac.group(3)}"
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", t):
         t = t.replace(",", "")
+    if (exponent := _EXPONENT.search(t)) and len(exponent.group(1).lstrip("0_")) > 3:
+        return None
     try:
         return Fraction(t)
     except (ValueError, ZeroDivisionError):
@@ -125,7 +130,8 @@ SCORERS: dict[str, RuleScorer] = {
         math_answer,
         "1.0 when the response's final answer (its last \\boxed{...}, else what follows its last ####, else its last "
         "number) equals the label's (its \\boxed{...} or #### answer, else the whole label), numbers compared by "
-        "value (1,000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2}, $ and % dropped), else 0.0; requests must carry labels",
+        "value (1,000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2} = 5e-1, $ and % dropped; an exponent past 3 digits compares "
+        "as text), else 0.0; requests must carry labels",
         needs_labels=True,
     ),
 }

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+from fractions import Fraction
 from pathlib import Path
 
 import grpc
@@ -21,7 +22,7 @@ from embedded import resolve_model, task
 from ppo_services.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from reward_server.config import RewardConfig
 from reward_server.core import RewardCore
-from reward_server.scorers import SCORERS, math_answer, no_negative
+from reward_server.scorers import SCORERS, as_number, math_answer, no_negative
 from serving.codec import decode, encode
 from serving.errors import InvalidArgument
 from serving.modeling import (
@@ -731,6 +732,15 @@ MATH_CASES = [  # (response, label, reward): the response's final answer against
 @pytest.mark.parametrize("response, label, reward", MATH_CASES)
 def test_math_answer_compares_final_answers(response, label, reward):
     assert math_answer(response, label) == reward
+
+
+def test_numbers_in_e_notation_compare_by_value_and_a_huge_exponent_is_text():
+    """Fraction expands an exponent digit by digit: `1e20000000` (20 bytes a policy can sample) took it 18 s. An
+    exponent of up to 3 digits is a number; a longer one is not, so such an answer compares as text, at once."""
+    assert as_number("1.5e3") == 1500 and as_number("1E-3") == Fraction(1, 1000) and as_number("1e999") == 10**999
+    for text in ("1e20000000", "1e999999999", "-2.5E+1000", "1e1_0000"):
+        assert as_number(text) is None, text
+    assert math_answer("#### 1e20000000", "1") == 0.0 and math_answer("#### 1e2000", "1e2000") == 1.0
 
 
 def test_a_math_answer_server_scores_gsm8k_style_answers_over_openrlhf_s_protocol(embedded_cache, log_dir):
