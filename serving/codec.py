@@ -101,6 +101,9 @@ def encode(t: torch.Tensor) -> common_pb2.Tensor:
     return common_pb2.Tensor(dtype=_WIRE[t.dtype], shape=t.shape, data=raw.numpy().tobytes())
 
 
+_MAX_ELEMENTS = 2**63 - 1  # torch's numel is an int64
+
+
 def shape_text(shape: list[int]) -> str:
     """A shape for an error message: in full up to 8 dimensions, else its start and the count."""
     return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...] ({len(shape)} dimensions)"
@@ -116,6 +119,9 @@ def decode(msg: common_pb2.Tensor, field: str) -> torch.Tensor:
     shape = list(msg.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{field}: shape {shape_text(shape)} has a negative dimension")
+    if math.prod(d for d in shape if d) > _MAX_ELEMENTS:  # torch multiplies the sizes out, a 0 among them or not
+        raise InvalidArgument(f"{field}: shape {shape_text(shape)} is too large: its nonzero dimensions multiply to "
+                              f"more than {_MAX_ELEMENTS} elements")
     itemsize = _ITEMSIZE[msg.dtype]
     expected = math.prod(shape) * itemsize
     data = msg.data  # a copy of the message's bytes (see OWNS_READ_BYTES)

@@ -62,8 +62,11 @@ def test_decoded_tensor_is_writable_and_independent_of_the_message():
         (common_pb2.Tensor(dtype=common_pb2.DTYPE_UNSPECIFIED, shape=[1], data=b"\0" * 4), ["field", "DTYPE_FLOAT32"]),
         (common_pb2.Tensor(dtype=99, shape=[1], data=b"\0"), ["field", "dtype 99"]),
         (common_pb2.Tensor(dtype=common_pb2.DTYPE_INT64, shape=[-1], data=b""), ["field", "negative"]),
+        # no elements, so no bytes, but torch multiplies the sizes out and overflows int64
+        (common_pb2.Tensor(dtype=common_pb2.DTYPE_INT64, shape=[2**62, 2**62, 0], data=b""),
+         ["field: shape [4611686018427387904, 4611686018427387904, 0] is too large", "9223372036854775807 elements"]),
     ],
-    ids=["short-data", "unspecified-dtype", "unknown-dtype", "negative-dim"],
+    ids=["short-data", "unspecified-dtype", "unknown-dtype", "negative-dim", "sizes-overflow"],
 )
 def test_malformed_tensors_name_the_field(msg, words):
     with pytest.raises(InvalidArgument) as err:
