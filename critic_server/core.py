@@ -303,8 +303,9 @@ class CriticCore:
         """`batch.epochs` passes over the batch: one optimizer step per global batch, micro-batched by length
         (rows of similar length together, each micro-batch trimmed to its longest row), with the attention mask
         Infer builds from the lengths. The first pass takes the rows in the order sent, later ones in an order
-        shuffled by a seed from the train step. A step whose loss or gradient is not finite is skipped, so no
-        request can corrupt the weights. Dropout stays off (the model stays in eval mode), as when the old values
+        shuffled by a seed from the train step. A step whose loss or gradient is not finite is skipped
+        (`skipped_steps`), so no request can corrupt the weights; a global batch whose mask selects no position takes
+        no step (`empty_steps`), since Adam's momentum would move the weights on a zero gradient. Dropout stays off (the model stays in eval mode), as when the old values
         were computed. Returns (mean loss, metrics, the train step reached); explained variance and values_mean
         are over the first pass."""
         self.value_packing.release()  # training needs the layers' own forward, and changes the weights
@@ -316,7 +317,7 @@ class CriticCore:
         grad_norms: list[float] = []
         values_seen = torch.zeros_like(returns)
         clipped = 0.0
-        skipped = 0
+        skipped = empty = 0
         started = time.perf_counter()
         try:
             for epoch in range(batch.epochs):
@@ -324,7 +325,10 @@ class CriticCore:
                          torch.randperm(rows, generator=torch.Generator().manual_seed(self.train_step)))
                 for g in range(0, rows, tc.global_batch_size):
                     group = order[g:g + tc.global_batch_size]
-                    n_tokens = float(mask[group].sum().clamp(min=1))
+                    if not mask[group].any():  # nothing to learn: a step would still move the weights (momentum)
+                        empty += 1
+                        continue
+                    n_tokens = float(mask[group].sum())
                     self.optimizer.zero_grad(set_to_none=True)
                     loss_total = 0.0
                     for bucket in length_buckets(lengths[group], tc.micro_batch_size):
@@ -366,6 +370,7 @@ class CriticCore:
             "lr": self.optimizer.param_groups[0]["lr"],
             "optimizer_steps": len(losses),
             "skipped_steps": skipped,
+            "empty_steps": empty,
             "train_seconds": time.perf_counter() - started,
         }
         return (sum(losses) / len(losses) if losses else float("nan")), metrics, self.train_step

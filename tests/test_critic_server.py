@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -339,6 +340,21 @@ def test_bad_train_requests_leave_the_weights_alone(stub):
     expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="../escape"), "tag")
     expect_invalid(stub.Save, critic_pb2.SaveRequest(), "tag")
     assert stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step == step
+    torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
+
+
+def test_a_train_whose_mask_selects_nothing_takes_no_step(stub):
+    """After a Train, Adam's momentum would move the weights on a zero gradient: a Train whose mask selects no
+    position is answered, counts its global batches as empty and leaves the weights and the train step alone."""
+    tokens, lengths = batch(6)
+    stub.Train(train_request(tokens, 2.0), timeout=120)
+    before, step = infer(stub, tokens, lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
+    nothing = train_request(tokens, 2.0)
+    nothing.mask.CopyFrom(encode(torch.zeros(4, tokens.shape[1] - 1)))
+    nothing.epochs = 2
+    reply = stub.Train(nothing, timeout=120)
+    assert (reply.train_step, reply.metrics["optimizer_steps"], reply.metrics["skipped_steps"]) == (step, 0, 0)
+    assert reply.metrics["empty_steps"] >= 2 and math.isnan(reply.loss)
     torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
 
 
