@@ -23,7 +23,7 @@ import torch
 
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import naming_the_model, resolve_model
-from serving.errors import DeadlineExceeded, InvalidArgument, NotFound
+from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from serving.metrics import PassObserver, no_observer
 from serving.modeling import (
     TORCH_DTYPES,
@@ -171,12 +171,31 @@ class CriticCore:
     def _load_training_state(self, path: Path) -> None:
         """Optimizer moments, train step and request-id window of checkpoint `path` (at start-up and on Load);
         the configured learning rate and weight decay win over the saved ones."""
-        self.optimizer.load_state_dict(load_optimizer_state(path / OPTIMIZER_FILE))
+        self._apply_training_state(*self._read_training_state(path))
+
+    def _read_training_state(self, path: Path) -> tuple[dict, int, list]:
+        """What `_apply_training_state` takes, read from checkpoint `path` and checked against this critic's
+        optimizer, changing nothing; FailedPrecondition naming the file otherwise."""
+        file = path / OPTIMIZER_FILE
+        optimizer_state = load_optimizer_state(file)
+        if (why := optimizer_state_misfit(optimizer_state, self.optimizer)) is not None:
+            raise FailedPrecondition(f"{file}: does not fit this critic's optimizer: {why}")
+        file = path / STATE_FILE
+        try:
+            state = json.loads(file.read_text())
+            train_step, window = int(state["train_step"]), state.get("dedupe_window", [])
+            if train_step < 0 or not isinstance(window, list):
+                raise ValueError("train_step must be >= 0 and dedupe_window a list")
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise FailedPrecondition(f"{file}: not a critic state ({type(e).__name__}: {e})") from e
+        return optimizer_state, train_step, window
+
+    def _apply_training_state(self, optimizer_state: dict, train_step: int, window: list) -> None:
+        self.optimizer.load_state_dict(optimizer_state)
         for group in self.optimizer.param_groups:
             group.update(lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
-        state = json.loads((path / STATE_FILE).read_text())
-        self.train_step = int(state["train_step"])
-        self.window.load_json(state.get("dedupe_window", []), replace=True)  # the ids the checkpoint had applied
+        self.train_step = train_step
+        self.window.load_json(window, replace=True)  # the ids the checkpoint had applied
 
     def info(self) -> dict:
         return {
@@ -414,14 +433,23 @@ class CriticCore:
 
     def restore(self, tag: str) -> tuple[str, int]:
         """Go back to <checkpoint_dir>/<tag>, one of this server's checkpoints: weights, optimizer state, train
-        step and the request-id window. Returns (path, train_step)."""
+        step and the request-id window, all or nothing. Every part is read and checked against this critic before
+        any is applied: a checkpoint that cannot be read, or does not fit the model, is FailedPrecondition naming
+        the file and leaves the critic as it was. Returns (path, train_step)."""
         path = checkpoint_path(Path(self.cfg.checkpoint_dir), tag)
         if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
             raise NotFound(f"tag: no checkpoint of this critic at {path}")
-        saved = load_scalar_head_model(str(path), torch.float32, trust_remote_code=self.cfg.trust_remote_code)
+        try:
+            saved = load_scalar_head_model(str(path), torch.float32,
+                                           trust_remote_code=self.cfg.trust_remote_code).state_dict()
+        except Exception as e:  # truncated weights, a broken config.json: transformers' reason, under the path
+            raise FailedPrecondition(f"{path}: the weights cannot be loaded: {type(e).__name__}: {e}") from e
+        if (why := weights_misfit(saved, self.model.state_dict())) is not None:
+            raise FailedPrecondition(f"{path}: the weights do not fit this critic's model: {why}")
+        training_state = self._read_training_state(path)
         self.value_packing.release()  # packed from the weights it replaces
-        self.model.load_state_dict(saved.state_dict())
-        self._load_training_state(path)
+        self.model.load_state_dict(saved)
+        self._apply_training_state(*training_state)
         self.source, self.unsaved = str(path.resolve()), False
         log.info("returned to checkpoint %s at train step %d", path, self.train_step)
         return str(path.resolve()), self.train_step
@@ -482,19 +510,60 @@ def _saved_at(directory: Path) -> float | None:
     return float(saved_at) if ok else None
 
 
+def weights_misfit(saved: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> str | None:
+    """Why the state dict `saved` cannot replace `ours` whole (names missing or extra, shapes that differ), or None.
+    torch's load_state_dict copies the tensors that match before it raises for the rest."""
+    missing, extra = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
+    shapes = [f"{k} {tuple(saved[k].shape)} where {tuple(ours[k].shape)} is expected"
+              for k in sorted(ours.keys() & saved.keys()) if saved[k].shape != ours[k].shape]
+    parts = [f"{what} {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+             for what, names in (("missing", missing), ("unexpected", extra), ("shape of", shapes)) if names]
+    return "; ".join(parts) or None
+
+
+def optimizer_state_misfit(state: object, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `state` cannot be this optimizer's state_dict (its parameter groups and their sizes, the moments' shapes),
+    or None. torch checks the groups when it loads, but a moment of another shape fails only at the next step."""
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) \
+            or not isinstance(state.get("state"), dict):
+        return "expected a dict with 'state' and 'param_groups'"
+    ours = optimizer.param_groups
+    theirs = state["param_groups"]
+    if len(theirs) != len(ours) or any(not isinstance(g, dict) or len(g.get("params", ())) != len(o["params"])
+                                       for g, o in zip(theirs, ours)):
+        sizes = [len(g.get("params", ())) if isinstance(g, dict) else "?" for g in theirs]
+        return (f"{len(theirs)} parameter groups of {sizes} parameters, where {len(ours)} of "
+                f"{[len(o['params']) for o in ours]} are expected")
+    params = [p for o in ours for p in o["params"]]
+    ids = [i for g in theirs for i in g["params"]]
+    for index, param in zip(ids, params):
+        entry = state["state"].get(index) if isinstance(index, int) else None
+        for name, moment in (entry.items() if isinstance(entry, dict) else ()):
+            if isinstance(moment, torch.Tensor) and moment.dim() > 0 and moment.shape != param.shape:
+                return (f"{name} of parameter {index} has shape {tuple(moment.shape)}, the parameter "
+                        f"{tuple(param.shape)}")
+    return None
+
+
 def load_optimizer_state(file: Path) -> dict:
     """An optimizer state_dict saved by Save, on the CPU (`load_state_dict` moves each tensor to its parameter's
     device, leaving AdamW's step counters on the CPU as it keeps them). Loaded with weights_only=True (explicitly,
     whatever torch's default): tensors, numbers and containers only, so a crafted file cannot run code while
-    unpickling."""
+    unpickling. A file that cannot be loaded is FailedPrecondition naming it."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["refused"]
-        reason = next((line for line in lines if "Unsupported global" in line), lines[0])  # torch's is a page long
-        raise RuntimeError(f"{file}: the optimizer state cannot be loaded with torch.load(weights_only=True), which "
-                           f"refuses anything but tensors and plain containers ({reason}); a critic server's Save "
-                           f"never writes such a file: delete it to start with a fresh optimizer") from e
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = next((line for line in lines if "Unsupported global" in line), None)  # torch's is a page long
+        if reason is None:  # not a refused global: the file is no pickle at all (truncated, overwritten)
+            detail = next((line for line in lines if line.startswith("Unsupported operand")), "not a pickle")
+            raise FailedPrecondition(f"{file}: cannot be read as an optimizer state ({detail})") from e
+        raise FailedPrecondition(
+            f"{file}: the optimizer state cannot be loaded with torch.load(weights_only=True), which refuses anything "
+            f"but tensors and plain containers ({reason}); a critic server's Save never writes such a file: delete it "
+            f"to start with a fresh optimizer") from e
+    except Exception as e:  # a truncated or foreign file: torch's own reason, under the file's name
+        raise FailedPrecondition(f"{file}: cannot be read as an optimizer state: {type(e).__name__}: {e}") from e
 
 
 def _check_setting(value: float, field: str, allow_zero: bool) -> float:

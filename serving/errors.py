@@ -45,3 +45,11 @@ class NotFound(ServiceError):
 
     grpc_code = grpc.StatusCode.NOT_FOUND
     http_status = 404
+
+
+class FailedPrecondition(ServiceError):
+    """The request is well formed but the server's state or files do not allow it (e.g. a checkpoint that does not
+    fit the model, or that cannot be read); nothing was changed."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409

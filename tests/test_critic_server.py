@@ -782,6 +782,52 @@ def test_load_returns_to_a_checkpoint_weights_optimizer_step_and_request_ids(cri
         assert err.value.code() == code and "tag" in err.value.details()
 
 
+def _corrupt_optimizer(path: Path) -> str:
+    (path / "optimizer.pt").write_bytes(b"not a torch file")
+    return "optimizer.pt: cannot be read as an optimizer state"
+
+
+def _misshapen_moments(path: Path) -> str:
+    state = torch.load(path / "optimizer.pt", weights_only=True)
+    first = next(iter(state["state"]))
+    state["state"][first]["exp_avg"] = torch.zeros(3, 3)
+    torch.save(state, path / "optimizer.pt")
+    return "optimizer.pt: does not fit this critic's optimizer: exp_avg of parameter"
+
+
+def _bad_state_json(path: Path) -> str:
+    (path / "critic_state.json").write_text("{not json")
+    return "critic_state.json: not a critic state"
+
+
+def _another_model(path: Path) -> str:  # one more layer: transformers fills it in and warns, torch would copy the rest
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (path / "config.json").write_text(json.dumps(config))
+    return "the weights do not fit this critic's model: unexpected"
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_optimizer, _misshapen_moments, _bad_state_json, _another_model],
+                         ids=["optimizer-unreadable", "optimizer-moments-misshapen", "state-not-json", "more-layers"])
+def test_a_load_that_cannot_apply_every_part_changes_nothing(critic, stub, corrupt):
+    """A Load reads and checks the weights, the optimizer state and the critic state before it applies any: one
+    that would apply only some (torch copies the matching weights before it raises for the rest) is
+    FAILED_PRECONDITION naming the file, and the critic trains on from where it was."""
+    tokens, lengths = batch(41)
+    tag = f"to-break-{corrupt.__name__.strip('_')}"
+    saved = stub.Save(critic_pb2.SaveRequest(tag=tag), timeout=120)
+    stub.Train(train_request(tokens, 4.0), timeout=120)
+    values, step = infer(stub, tokens, lengths), _info(stub).train_step
+    words = corrupt(Path(saved.path))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Load(critic_pb2.LoadRequest(tag=tag), timeout=120)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and words in err.value.details(), err.value.details()
+    assert _info(stub).train_step == step
+    torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)
+    after = stub.Train(train_request(tokens, 4.0), timeout=120)  # the optimizer is whole: it steps
+    assert after.train_step > step and math.isfinite(after.loss)
+
+
 def test_epochs_train_that_many_passes_and_bad_counts_name_the_field(stub):
     inputs = _train_inputs(31, b=8)
     step = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step

@@ -84,8 +84,8 @@ def test_a_thread_budget_past_the_cores_is_set_with_a_warning(caplog):
             set_thread_budget(cores + 3, "policy.num_threads")
         assert torch.get_num_threads() == cores + 3  # the user's choice stands; the log says what it costs
         assert [r.getMessage() for r in caplog.records] == [
-            f"policy.num_threads={cores + 3} is more than the {cores} CPU cores this process may use; torch's "
-            f"threads will contend for them (a value at most {cores} is faster)"]
+            (f"policy.num_threads={cores + 3} is more than the {cores} CPU cores this process may use; torch's "
+            f"threads will contend for them (a value at most {cores} is faster)")]
         set_thread_budget(0)  # torch's default: unchanged
         assert torch.get_num_threads() == cores + 3
     finally:

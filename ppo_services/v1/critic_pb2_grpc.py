@@ -98,7 +98,9 @@ class CriticServiceServicer:
         """Return to one of this server's checkpoints: weights, optimizer state, train step and the Train
         request ids' window become the checkpoint's (an actor resuming its run sends the tag of the critic
         checkpoint saved with its own). Serialized with Infer, Train and Save in arrival order. NOT_FOUND when
-        <checkpoint_dir>/<tag> holds no checkpoint of this server.
+        <checkpoint_dir>/<tag> holds no checkpoint of this server. All or nothing: every part is read and
+        checked before any is applied, and a checkpoint whose files cannot be read or do not fit this
+        critic's model is FAILED_PRECONDITION naming the file, the critic left as it was.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
