@@ -3,8 +3,10 @@
 loopback with neither.
 
 The token comes from `auth_token_file` or the environment variable PPO_SERVICES_AUTH_TOKEN; clients send
-`authorization: Bearer <token>`. Comparisons take constant time. A refused call is UNAUTHENTICATED (gRPC) or
-401 (REST), and is counted in the request metrics like any other.
+`authorization: Bearer <token>` (once: a call carrying two is refused). Comparisons take constant time. A refused call
+is UNAUTHENTICATED (gRPC) or 401 (REST), and is counted in the request metrics under its method or route; a method or
+path that no service has is UNIMPLEMENTED or 404, token or not, and is not counted, so callers without the token
+cannot add series to /metrics.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from google.protobuf import descriptor_pool
 from pydantic import Field
+from starlette.routing import Match
 
 from .config import StrictModel
 from .metrics import ServiceMetrics
@@ -122,6 +126,16 @@ def server_credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:
                                        require_client_auth=client_ca is not None)
 
 
+def is_known_method(path: str) -> bool:
+    """Whether the gRPC method path `/package.Service/Method` is one of the protos this process imported."""
+    service, _, method = path.strip("/").partition("/")
+    try:
+        descriptor_pool.Default().FindMethodByName(f"{service}.{method}")
+    except KeyError:
+        return False
+    return True
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Every method outside health and reflection needs the bearer token."""
 
@@ -129,13 +143,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.token, self.metrics = token, metrics
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
-        if details.method.startswith(OPEN_GRPC_PREFIXES):
+        if details.method.startswith(OPEN_GRPC_PREFIXES) or not is_known_method(details.method):
+            return await continuation(details)  # a method no service has is UNIMPLEMENTED, token or not
+        headers = [v for k, v in details.invocation_metadata or () if k == "authorization"]
+        if len(headers) == 1 and isinstance(headers[0], str) and bearer_matches(headers[0], self.token):
             return await continuation(details)
-        header = dict(details.invocation_metadata or ()).get("authorization")
-        if isinstance(header, str) and bearer_matches(header, self.token):
-            return await continuation(details)
-        method = details.method.rsplit("/", 1)[-1]
-        why = "missing" if header is None else "wrong"
+        method = details.method.rsplit("/", 1)[-1]  # a known method's name: the metric's labels stay bounded
+        why = "missing" if not headers else "wrong" if len(headers) == 1 else "more than one"
 
         async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
             self.metrics.record_request(method, grpc.StatusCode.UNAUTHENTICATED.name)
@@ -150,9 +164,12 @@ def add_rest_auth(app: FastAPI, token: str, metrics: ServiceMetrics) -> None:
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
-        if request.url.path in OPEN_REST_PATHS or bearer_matches(request.headers.get("authorization"), token):
-            return await call_next(request)
-        metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)
+        route = next((r for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE), None)
+        headers = request.headers.getlist("authorization")
+        if request.url.path in OPEN_REST_PATHS or route is None or (
+                len(headers) == 1 and bearer_matches(headers[0], token)):
+            return await call_next(request)  # no route: 404, token or not
+        metrics.record_request(route.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)  # a route's own path
         return JSONResponse({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
                             status_code=401, headers={"WWW-Authenticate": "Bearer"})
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2, reward_pb2_grpc
 from serving.security import TOKEN_ENV
@@ -111,6 +112,11 @@ def test_every_rpc_needs_the_token(protected, pki):
             assert call(ch, service, method, request, wrong) == grpc.StatusCode.UNAUTHENTICATED, method
             right = [("authorization", f"Bearer {TOKEN}")]
             assert call(ch, service, method, request, right) != grpc.StatusCode.UNAUTHENTICATED, method
+            # two headers are refused whichever comes last: a proxy and the caller may each have added one
+            assert call(ch, service, method, request, [*wrong, *right]) == grpc.StatusCode.UNAUTHENTICATED, method
+        # a method no service has is UNIMPLEMENTED, token or not, and adds no series to /metrics
+        for n in range(20):
+            assert call(ch, service, f"NoSuchMethod{n}", common_pb2.GetInfoRequest()) == grpc.StatusCode.UNIMPLEMENTED
         # probes stay open: health and reflection need no token
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -121,17 +127,24 @@ def test_every_rest_route_but_the_probes_needs_the_token(protected, pki):
     verify = server.tls_context()
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{server.http}{path}", verify=verify, timeout=10).status_code == 200, path
-    routes = [("POST", "/get_reward", {"query": ["river => good"]})] if kind == "reward" else []
-    routes.append(("GET", "/no-such-route", None))
-    for method, path, body in routes:
-        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
-            reply = httpx.request(method, f"{server.http}{path}", json=body, headers=headers, verify=verify, timeout=30)
-            assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", (path, headers)
-        reply = httpx.request(method, f"{server.http}{path}", json=body, verify=verify, timeout=30,
-                              headers={"Authorization": f"Bearer {TOKEN}"})
-        assert reply.status_code == (200 if path == "/get_reward" else 404), path
-    text = httpx.get(f"{server.http}/metrics", verify=verify, timeout=10).text
-    assert f'ppo_{kind}_requests_total{{code="UNAUTHENTICATED",method="no-such-route"}} 3.0' in text
+    wrong_then_right = [("Authorization", "Bearer nope"), ("Authorization", f"Bearer {TOKEN}")]
+    if kind == "reward":
+        url, body = f"{server.http}/get_reward", {"query": ["river => good"]}
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}, wrong_then_right):
+            reply = httpx.post(url, json=body, headers=headers, verify=verify, timeout=30)
+            assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", headers
+        assert httpx.post(url, json=body, verify=verify, timeout=30,
+                          headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    # a path no route has is 404, token or not, and is not counted: callers without the token cannot grow /metrics
+    for n in range(20):
+        for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}):
+            assert httpx.get(f"{server.http}/scan-{n}", headers=headers, verify=verify, timeout=10).status_code == 404
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(f"{server.http}/metrics", verify=verify, timeout=10).text)}
+    refused = {(s.labels["method"], s.value) for s in families[f"ppo_{kind}_requests"].samples
+               if s.name.endswith("_total") and s.labels["code"] == "UNAUTHENTICATED"}
+    methods = {m for m, _ in ROUTES[kind][1]} | ({"get_reward"} if kind == "reward" else set())
+    assert {m for m, _ in refused} <= methods, refused
 
 
 def test_probes_stay_open_and_refusals_are_counted(critic):
