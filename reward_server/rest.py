@@ -9,18 +9,27 @@ OpenRLHF passes its dataset's labels through as they are, so a label may be any 
 it is, anything else as its JSON text (42 -> "42", null -> "null", [1, 2] -> "[1, 2]"). A query that does not
 start with its prompt (OpenRLHF truncates long prompts) is scored whole. What standard JSON and UTF-8 cannot
 carry (NaN, Infinity, lone surrogates) is refused with 400 (422 where a string is due) naming the field.
+
+OpenRLHF decodes its padded batch with the special tokens kept, so a query may begin with pad text and end with
+pad text after its EOS. As OpenRLHF's own reward server, this one drops runs of pad (and EOS) text at the start of
+each query and prompt and of pad text at the end, and a run of EOS text at the end counts once; a query that came
+unpadded is scored as it is, as gRPC Score scores it. An empty request (OpenRLHF spreads a batch over several
+servers, so a slice may hold nothing) gets empty lists.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from transformers import PreTrainedTokenizerBase
 
 from serving.errors import InvalidArgument, ServiceError
 
@@ -31,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class GetRewardRequest(BaseModel):
-    query: list[str] = Field(min_length=1, description="Prompt + response text of each sample.")
+    query: list[str] = Field(description="Prompt + response text of each sample.")
     prompts: list[str] | None = Field(None, description="Prompt of each sample, normally a prefix of its query; "
                                       "a query that does not start with it is scored whole.")
     labels: list[Any] | None = Field(None, description="Reference answer of each sample: any JSON value; one "
@@ -58,7 +67,12 @@ def add_reward_routes(service: RewardService) -> None:
                 for i, text in enumerate(getattr(body, field) or []):
                     _check_unicode(text, f"{field}[{i}]")
             labels = [_label_text(v, f"labels[{i}]") for i, v in enumerate(body.labels or [])]
-            inp = service.core.validate(texts=body.query, prompts=body.prompts, labels=labels, texts_field="query")
+            if not body.query and not body.prompts and not labels:  # an empty slice of a batch
+                return GetRewardResponse(rewards=[], scores=[], extra_logs={})
+            strip = unpadded(service.core.tokenizer)
+            inp = service.core.validate(texts=[strip(q) for q in body.query],
+                                        prompts=[strip(p, start_only=True) for p in body.prompts or []] or None,
+                                        labels=labels, texts_field="query")
             rewards, components = await worker.run_batched("Score", inp.rows, inp, service.core.score_batch)
             values = rewards.tolist()
             return GetRewardResponse(rewards=values, scores=values,
@@ -72,6 +86,29 @@ def add_reward_routes(service: RewardService) -> None:
             return JSONResponse({"detail": f"get_reward failed: {type(e).__name__}: {e}"}, status_code=500)
         finally:
             metrics.record_request("get_reward", code.name, time.perf_counter() - start)
+
+
+def unpadded(tokenizer: PreTrainedTokenizerBase | None) -> Callable[..., str]:
+    """A function dropping the padding OpenRLHF's decoded batches carry: runs of the tokenizer's pad and EOS text at
+    the start; at the end, runs of pad text, and a run of EOS text down to one (where pad and EOS are the same text,
+    a run of it at the end becomes one EOS). Without `start_only` it strips both ends."""
+    pad, eos = (getattr(tokenizer, "pad_token", None), getattr(tokenizer, "eos_token", None))
+    marks = [re.escape(t) for t in (pad, eos) if isinstance(t, str) and t]
+    if not marks:
+        return lambda text, start_only=False: text
+    leading = re.compile(f"^(?:{'|'.join(marks)})+")
+    pads = re.escape(pad) if isinstance(pad, str) and pad and pad != eos else None
+    trailing = re.compile(f"(?:{pads})+$") if pads else None
+    eos_run = re.compile(f"(?:{re.escape(eos)}){{2,}}$") if isinstance(eos, str) and eos else None
+
+    def strip(text: str, start_only: bool = False) -> str:
+        text = leading.sub("", text)
+        if not start_only:
+            text = trailing.sub("", text) if trailing else text
+            text = eos_run.sub(eos, text) if eos_run else text
+        return text
+
+    return strip
 
 
 def _label_text(value: Any, field: str) -> str:

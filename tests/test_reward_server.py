@@ -244,6 +244,27 @@ def test_get_reward_speaks_openrlhf_protocol(server, stub):
     assert request_count(server, "get_reward", "OK") == before + 1
 
 
+def test_get_reward_scores_openrlhf_s_padded_queries_as_the_unpadded_ones(server, tokenizer):
+    """OpenRLHF decodes its padded batch with special tokens kept: pads before the prompt, pads after the EOS. Its
+    own reward server strips them, and so does this one; an empty slice of a batch (OpenRLHF spreads a batch over
+    several servers) gets empty lists, as OpenRLHF's server answers it."""
+    pad, eos = tokenizer.pad_token, tokenizer.eos_token
+    samples = make_samples(seed=12, n=3)
+    plain = [f"{p} {r}" for p, r in samples]
+    prompts = [f"{p} " for p, _ in samples]
+    expected = openrlhf_rewards(f"{server.http}/get_reward", plain, prompts, [])["rewards"]
+    with_eos = openrlhf_rewards(f"{server.http}/get_reward", [q + eos for q in plain], prompts, [])["rewards"]
+    assert with_eos != pytest.approx(expected, abs=1e-6)  # the EOS is scored: it is no padding
+    padded = [pad * 3 + plain[0], pad * 2 + plain[1], pad + plain[2]]
+    assert openrlhf_rewards(f"{server.http}/get_reward", padded, [pad * 3 + p for p in prompts],
+                            [])["rewards"] == pytest.approx(expected, abs=1e-6)
+    after_eos = [pad * 2 + plain[0] + eos + pad * 10, plain[1] + eos * 3, plain[2] + eos + pad]
+    assert openrlhf_rewards(f"{server.http}/get_reward", after_eos, prompts,
+                            [])["rewards"] == pytest.approx(with_eos, abs=1e-6)
+    assert openrlhf_rewards(f"{server.http}/get_reward", [], [], []) == {"rewards": [], "scores": [],
+                                                                          "extra_logs": {}}
+
+
 def _requests_with_errors(tokenizer) -> list[tuple[str, reward_pb2.ScoreRequest, str]]:
     samples = make_samples(seed=5, n=2)
     tokens, lengths, prompt_lengths = encode_samples(tokenizer, samples)
@@ -316,7 +337,7 @@ def test_wrong_wire_tensor_is_invalid_argument(stub):
     ({"query": "good"}, 422, None),
     ({"prompts": ["x"]}, 422, None),
     ({"query": [1, 2]}, 422, None),
-    ({"query": []}, 422, None),
+    ({"query": [], "prompts": ["x"]}, 400, "tokens, query"),
     ({"query": ["good", "bad"], "labels": ["a"]}, 400, "labels"),
     ({"query": ["good"], "labels": "42"}, 422, None),
     ({"query": ["good " * 65]}, 400, "query[0]"),
