@@ -193,6 +193,7 @@ class TrainResult:
     loss: float
     metrics: dict[str, float]
     train_step: int
+    instance_id: str = ""  # the critic process that answered ("" from a server that does not say)
 
 
 class CriticClient:
@@ -230,7 +231,7 @@ class CriticClient:
                                       old_values=encode(old_values.float()), mask=encode(mask.float()),
                                       value_clip=value_clip, loss_scale=loss_scale, request_id=request_id,
                                       epochs=epochs)
-        return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step),
+        return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step, r.instance_id),
                         f"{self.what} Train", self.cfg, "critic", retry=bool(request_id))
 
     def save(self, tag: str) -> str:

@@ -11,7 +11,14 @@ from transformers import PreTrainedTokenizerBase
 from serving.modeling import vocab_sha256
 from serving.security import load_token
 
-from .clients import CriticClient, IncompatibleServer, OpenRLHFRewardClient, RewardClient, check_compatible
+from .clients import (
+    CriticClient,
+    IncompatibleServer,
+    OpenRLHFRewardClient,
+    RewardClient,
+    TrainResult,
+    check_compatible,
+)
 from .config import ActorConfig
 from .data import Prompt, require_labels
 from .rollouts import ScoreFn, chat_scorer, text_scorer, token_scorer
@@ -101,23 +108,36 @@ class Servers:
                 f"{list(available)}, ppo.adv_estimator.reward_components asks for {names}: start the reward server "
                 "with components=[...], e.g. components=[positive_fraction,no_negative]")
 
-    def critic_at(self, train_step: int) -> None:
-        """The critic's train step as its last reply gave it."""
+    def critic_at(self, reply: TrainResult) -> None:
+        """The critic as its last Train reply gave it. A reply from another instance than the last one seen means
+        the critic restarted while this step ran (its Train retried on the new one): the restart is counted here,
+        with the train step it resumed at (the reply's, less the steps this call took), before the step's own steps
+        hide it."""
+        if reply.instance_id and reply.instance_id != self.critic_seen[0]:
+            self._restarted(reply.instance_id, reply.train_step - int(reply.metrics.get("optimizer_steps", 0)))
+        self.critic_seen = (reply.instance_id or self.critic_seen[0], reply.train_step)
+
+    def critic_returned_to(self, train_step: int) -> None:
+        """The critic Loaded a checkpoint at `train_step` (a resumed run): the same instance, at an earlier step."""
         self.critic_seen = (self.critic_seen[0], train_step)
 
     def watch_critic(self) -> None:
-        """Notice a critic that restarted since the last step (a new instance id): log what it lost (the train
-        steps between its checkpoint and the last reply) and go on with it."""
+        """Notice a critic that restarted since the last step (a new instance id, or a train step behind the last
+        reply's): log what it lost (the train steps between its checkpoint and the last reply) and go on with it."""
         if self.critic is None:
             return
         info = self.critic.current_info()
         instance, train_step = self.critic_seen
         if info.instance_id != instance or info.train_step < train_step:
-            self.critic_restarts += 1
-            log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last "
-                        "reply was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address,
-                        instance[:8], info.instance_id[:8], info.train_step, train_step, max(0, train_step - info.train_step))
+            self._restarted(info.instance_id, info.train_step)
         self.critic_seen = (info.instance_id, info.train_step)
+
+    def _restarted(self, instance_id: str, resumed_at: int) -> None:
+        instance, train_step = self.critic_seen
+        self.critic_restarts += 1
+        log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last reply "
+                    "was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address, instance[:8],
+                    instance_id[:8], resumed_at, train_step, max(0, train_step - resumed_at))
 
     def close(self) -> None:
         if self.critic is not None:

@@ -346,7 +346,7 @@ class PPOTrainer:
             **self.rollouts.metrics(),
         })
         if critic is not None:
-            self.servers.critic_at(critic.train_step)
+            self.servers.critic_at(critic)
             metrics.update({"critic/loss": critic.loss, "critic/train_step": float(critic.train_step),
                             "critic/restarts": float(self.servers.critic_restarts),
                             **{f"critic/{k}": v for k, v in critic.metrics.items() if k != "train_seconds"}})
@@ -436,7 +436,7 @@ class PPOTrainer:
                 log.warning("%s holds no critic checkpoint: the critic keeps its present weights", directory)
             else:
                 path, train_step = self.critic.load(state["critic_tag"])
-                self.servers.critic_at(train_step)
+                self.servers.critic_returned_to(train_step)
                 log.info("the critic returned to %s (train step %d)", path, train_step)
         log.info("resuming after step %d from %s (%d samples consumed)", state["step"], directory,
                  state["consumed_samples"])

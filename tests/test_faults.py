@@ -4,6 +4,7 @@ processes: the servers are SIGKILLed, not mocked."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
@@ -112,6 +113,38 @@ def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on
     assert [r["critic/train_step"] for r in rows] == [float(r["step"]) for r in rows]
     assert rows[-1]["critic/restarts"] == 1.0
     assert "the critic server" in out and "restarted" in out
+
+
+def test_a_critic_that_restarts_from_scratch_is_reported_with_the_steps_it_lost(reward, log_dir, tmp_path):
+    """Without autosave the restarted critic begins again at train step 0. The actor's Train of the step in flight
+    lands on the new process before the step ends; the reply names that process, so the actor counts the restart
+    once and reports every step the old process had taken as lost (it counted them against the new process's own
+    step before, and said 0 were lost)."""
+    grpc_port, http_port = free_port(), free_port()
+    args = ("--checkpoint-dir", str(tmp_path / "critic-ckpt"))
+    first = ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
+    run_dir = tmp_path / "run"
+    cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={first.address}",
+                        "ppo.max_num_steps=8", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
+                        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
+                        "checkpointing.enabled=false", "logger.num_val_samples_to_print=0")
+    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run_dir, 3, actor)
+        first.proc.kill()
+        first.proc.wait()
+        with ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
+            out, _ = actor.communicate(timeout=300)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 0, out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["critic/restarts"] == 1.0
+    last_old = max(r["critic/train_step"] for r in rows if r["critic/restarts"] == 0)
+    lost = re.findall(r"it resumed at train step (\d+), the last reply was at (\d+), so (\d+) critic optimizer steps "
+                      r"were lost", out)
+    assert lost == [("0", str(int(last_old)), str(int(last_old)))], (lost, last_old)
 
 
 def _comparable(row: dict) -> dict:

@@ -46,7 +46,7 @@ class TrainRequest(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_scale: _Optional[float] = ..., request_id: _Optional[str] = ..., epochs: _Optional[int] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
-    __slots__ = ("loss", "metrics", "train_step")
+    __slots__ = ("loss", "metrics", "train_step", "instance_id")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -57,10 +57,12 @@ class TrainResponse(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     loss: float
     metrics: _containers.ScalarMap[str, float]
     train_step: int
-    def __init__(self, loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_step: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_step: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("tag",)
