@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         from .environments import BadEnvironment
         from .models import ModelSetupError
         from .rollouts import DynamicSamplingError
-        from .trainer import PPOTrainer
+        from .trainer import PPOTrainer, StopNow
 
     transformers.utils.logging.disable_progress_bar()
     retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment, RolloutWorkerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except StopNow as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     finally:
         trainer.close()
     return 0

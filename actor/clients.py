@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,13 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", int(RETRY_FIRST_S * 1
                      ("grpc.max_reconnect_backoff_ms", int(RETRY_MAX_S * 1000))]
 
 
+# Set when the actor was asked to stop (SIGTERM): an outage met from then on is waited out for at most
+# DRAIN_OUTAGE_S, so that a drain whose servers stop at the same time (a pod deletion, `docker compose down`) ends
+# well within a grace period instead of waiting `outage_timeout_s` for servers that are not coming back.
+draining = threading.Event()
+DRAIN_OUTAGE_S = 10.0
+
+
 class Pending(Generic[T]):
     """A call in flight; result() waits for it and converts the reply. A call started by `start` (an idempotent
     gRPC call) is started again, with exponential backoff, while the server answers UNAVAILABLE (restarting,
@@ -71,6 +79,11 @@ class Pending(Generic[T]):
                     raise RemoteError(f"{self._what} failed: {e.code().name}: {e.details()}") from None
                 now = time.monotonic()
                 outage_since = outage_since or now
+                if draining.is_set() and now + delay - outage_since > min(self._outage_s, DRAIN_OUTAGE_S):
+                    raise RemoteError(
+                        f"{self._what} failed: the server was unavailable for {now - outage_since:.0f} s while the "
+                        f"actor was stopping (SIGTERM), which waits at most {DRAIN_OUTAGE_S:.0f} s for it: "
+                        f"{unreachable_reason(e)}") from None
                 if now + delay - outage_since > self._outage_s:
                     raise RemoteError(
                         f"{self._what} failed: the server was unavailable for {now - outage_since:.0f} s, longer than "

@@ -52,7 +52,7 @@ from serving.rest import add_ops_routes, start_ops_thread
 from . import checkpoints
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
-from .clients import RemoteError
+from .clients import RemoteError, draining
 from .config import ActorConfig, PolicyConfig
 from .data import PromptFormat, PromptSampler, load_prompts, resolve_data_file, run_id_of
 from .environments import BadEnvironment
@@ -66,6 +66,15 @@ from .tracking import MetricsTracker, Timers, step_breakdown
 log = logging.getLogger(__name__)
 
 # failures that end a run after its last finished step is checkpointed, as the log names them
+class StopNow(BaseException):
+    """A second SIGTERM or SIGINT: the run stops where it is (a BaseException, so no handler on the way keeps it).
+    `exit_code`: 128 + the signal's number, as a shell reports a process the signal ended."""
+
+    def __init__(self, exit_code: int, message: str):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 RUN_ENDING_FAILURES = {RemoteError: "a server is unavailable",
                        RolloutWorkerError: "the generation worker failed", BadEnvironment: "the environment failed"}
 STOPS_THE_RUN = tuple(RUN_ENDING_FAILURES)
@@ -87,7 +96,7 @@ class PPOTrainer:
         self.timers = Timers()
         self.registry = CollectorRegistry()
         self.ready = False
-        self.stop_requested = False
+        self.stop_requested, self.stop_signal = False, ""
         self.run_dir = Path(cfg.run_dir)
         self.ops = None
         if cfg.http_port:
@@ -446,6 +455,7 @@ class PPOTrainer:
         cfg, p = self.cfg, self.cfg.ppo
         ck_by = cfg.checkpointing.must_save_by_s
         signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
         self.ready = True
         n_print = cfg.logger.num_val_samples_to_print
         if p.val_at_start and not self.start_step:
@@ -483,7 +493,7 @@ class PPOTrainer:
                 path = self.save_checkpoint(step, metrics)
                 self.tracker.write(f"step {step}: checkpoint {path}")
             if self.stop_requested:
-                self.tracker.write(f"stopping after step {step} (SIGTERM)")
+                self.tracker.write(f"stopping after step {step} ({self.stop_signal})")
                 break
             if out_of_time:
                 self.tracker.write(f"stopping after step {step}: checkpointing.checkpoint_must_save_by "
@@ -498,7 +508,17 @@ class PPOTrainer:
         return self.tracker.history
 
     def _request_stop(self, signum, frame) -> None:
-        self.stop_requested = True
+        """The first SIGTERM (or SIGINT): finish the step, checkpoint, exit 0; /ready answers 503 from now on, and
+        a server outage met while stopping is waited out for at most clients.DRAIN_OUTAGE_S. A second one: stop at
+        once (StopNow), keeping the latest complete checkpoint."""
+        name = signal.Signals(signum).name
+        if self.stop_requested:
+            raise StopNow(128 + signum, f"stopped at once by a second {name}; a restart resumes from the latest "
+                                        f"complete checkpoint in {self.run_dir / 'checkpoints'}")
+        self.stop_requested, self.stop_signal, self.ready = True, name, False
+        draining.set()
+        log.warning("%s: finishing the step in progress, then checkpointing and stopping (a second %s stops at "
+                    "once)", name, name)
 
     def close(self) -> None:
         self.ready = False

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
@@ -145,6 +147,53 @@ def test_a_critic_that_restarts_from_scratch_is_reported_with_the_steps_it_lost(
     lost = re.findall(r"it resumed at train step (\d+), the last reply was at (\d+), so (\d+) critic optimizer steps "
                       r"were lost", out)
     assert lost == [("0", str(int(last_old)), str(int(last_old)))], (lost, last_old)
+
+
+def _actor_with_its_own_servers(log_dir, tmp_path, http_port: int):
+    critic = ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "critic-ckpt"), log_dir=log_dir).start()
+    reward = ServiceProcess("reward", log_dir=log_dir).start()
+    run_dir = tmp_path / "run"
+    cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={critic.address}",
+                        "ppo.max_num_steps=500", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
+                        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
+                        "logger.num_val_samples_to_print=0", http_port=http_port)
+    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return critic, reward, actor, run_dir
+
+
+@pytest.mark.parametrize("second_signal", [False, True], ids=["drain", "second-sigterm"])
+def test_an_actor_stopped_with_its_servers_ends_within_a_grace_period(embedded_cache, log_dir, tmp_path,
+                                                                      second_signal):
+    """A pod deletion or `docker compose down` sends SIGTERM to every service at once: the servers drain and exit
+    in a second, and the actor, finishing its step, finds them gone. It answers /ready 503 from the signal on, waits
+    for them at most clients.DRAIN_OUTAGE_S (not outage_timeout_s, 300 s) and keeps its last complete step's
+    checkpoint; a second SIGTERM ends it at once, without a traceback."""
+    http_port = free_port()
+    critic, reward, actor, run_dir = _actor_with_its_own_servers(log_dir, tmp_path, http_port)
+    try:
+        wait_for_steps(run_dir, 1, actor)
+        signalled = time.monotonic()
+        for proc in (critic.proc, reward.proc, actor):
+            proc.send_signal(signal.SIGTERM)
+        assert httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=5).status_code == 503
+        if second_signal:
+            time.sleep(0.5)
+            actor.send_signal(signal.SIGTERM)
+        out, _ = actor.communicate(timeout=60)
+        elapsed = time.monotonic() - signalled
+    finally:
+        for proc in (critic, reward):
+            proc.stop()
+        if actor.poll() is None:
+            actor.kill()
+    assert "SIGTERM: finishing the step in progress" in out and "Traceback" not in out, out[-3000:]
+    if second_signal:
+        assert actor.returncode == 128 + signal.SIGTERM and "stopped at once by a second SIGTERM" in out, out[-3000:]
+        assert elapsed < 20  # not the drain's wait for the servers
+        return
+    assert actor.returncode in (0, 1) and elapsed < 30, (actor.returncode, elapsed, out[-3000:])
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert json.loads((run_dir / "checkpoints" / f"step_{done}" / "checkpoint.json").read_text())["step"] == done
 
 
 def _comparable(row: dict) -> dict:
