@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .advantages import MissingRewardComponents
         from .async_rollouts import RolloutWorkerError
-        from .checkpoints import ResumeError
+        from .checkpoints import ResumeError, RunDirInUse
         from .clients import IncompatibleServer, RemoteError
         from .data import DataError
         from .environments import BadEnvironment
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = PPOTrainer(cfg)
     except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment,
-            CompileUnavailable, DeviceUnavailable, ModelNotFound, PortTaken) as e:
+            CompileUnavailable, DeviceUnavailable, ModelNotFound, PortTaken, RunDirInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:

@@ -8,11 +8,13 @@ step_N with a trainer_state.json is complete; tmp_step_* left by a crash are rem
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -27,6 +29,36 @@ RNG_FILE = "rng.pt"
 
 class ResumeError(ValueError):
     """The checkpoint to resume from cannot be used; the message says which and why."""
+
+
+class RunDirInUse(RuntimeError):
+    """Another actor holds the run directory."""
+
+
+LOCK_FILE = ".lock"
+
+
+def lock_run_dir(run_dir: Path) -> IO[str]:
+    """Hold <run_dir>/.lock (an exclusive flock, released by the kernel when this process ends, however it ends) for
+    as long as the returned file stays open. A second actor on the same run_dir (a retried job, a second terminal)
+    would resume from the first one's checkpoints and interleave its metrics and checkpoints with them: it is
+    refused with RunDirInUse naming the holder's pid."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open until the process ends
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirInUse(f"run_dir={run_dir} is in use by another actor (pid {holder}): two runs in one directory "
+                          f"would write over each other's metrics and checkpoints; stop it, or give this run its own "
+                          f"run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def step_of(path: Path) -> int:

@@ -98,6 +98,7 @@ class PPOTrainer:
         self.ready = False
         self.stop_requested, self.stop_signal = False, ""
         self.run_dir = Path(cfg.run_dir)
+        self.run_lock = checkpoints.lock_run_dir(self.run_dir)  # before anything in it is read or written
         self.ops = None
         if cfg.http_port:
             app = FastAPI(title="actor", docs_url=None, redoc_url=None)
@@ -527,3 +528,4 @@ class PPOTrainer:
         self.servers.close()
         if self.ops is not None:
             self.ops.should_exit = True
+        self.run_lock.close()  # the next actor on this run_dir may start

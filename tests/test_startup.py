@@ -90,3 +90,22 @@ def test_a_thread_budget_past_the_cores_is_set_with_a_warning(caplog):
         assert torch.get_num_threads() == cores + 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_second_actor_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
+    """Two actors on one run_dir (a retried job, a second terminal) would resume from each other's checkpoints and
+    interleave metrics.jsonl; the second is refused before it reads or writes anything, naming the holder's pid. The
+    lock goes with the process that holds it, however it ends."""
+    from actor.checkpoints import lock_run_dir
+
+    run_dir = tmp_path / "run"
+    held = lock_run_dir(run_dir)
+    try:
+        done = subprocess.run([sys.executable, "-m", "actor", "--http-port", "0", f"run_dir={run_dir}"], cwd=ROOT,
+                              check=False, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"error: run_dir={run_dir} is in use by another actor (pid {os.getpid()})" in done.stderr
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
+    finally:
+        held.close()
+    lock_run_dir(run_dir).close()  # released: the next one takes it
