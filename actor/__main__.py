@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         from .data import DataError
         from .environments import BadEnvironment
         from .models import ModelSetupError
-        from .rollouts import DynamicSamplingError
+        from .rollouts import DynamicSamplingError, PolicyDiverged
         from .trainer import PPOTrainer, StopNow
 
     transformers.utils.logging.disable_progress_bar()
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         trainer.fit()
-    except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment, RolloutWorkerError) as e:
+    except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment, RolloutWorkerError,
+            PolicyDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StopNow as e:

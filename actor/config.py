@@ -86,7 +86,7 @@ class GenerationConfig(StrictModel):
 
 
 class OptimizerKwargs(StrictModel):
-    lr: float = Field(9e-7, gt=0, description="Learning rate (NeMo-Aligner's actor default).")
+    lr: float = Field(9e-7, gt=0, allow_inf_nan=False, description="Learning rate (NeMo-Aligner's actor default).")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")

@@ -39,6 +39,10 @@ from .tracking import Timers
 ScoreFn = Callable[[Rollout, list[Prompt], list[Any] | None], Pending[Scores]]
 
 
+class PolicyDiverged(RuntimeError):
+    """An update left the policy unusable (non-finite weights, or next-token probabilities sampling cannot take)."""
+
+
 class DynamicSamplingError(RuntimeError):
     """Dynamic sampling could not fill a step within dynamic_sampling_max_gen_batches."""
 
@@ -207,7 +211,14 @@ class RolloutCollector:
 
     def generate_rows(self, prompts: list[Prompt], params: SamplingParams, seed: int) -> Rollout:
         """One generation batch: a response per prompt (actor/multiturn.py makes episodes instead)."""
-        return self.backend.generate([p.ids for p in prompts], params, seed=seed)
+        try:
+            return self.backend.generate([p.ids for p in prompts], params, seed=seed)
+        except RuntimeError as e:
+            if "probability tensor contains" not in str(e):  # torch.multinomial's words for inf or NaN
+                raise
+            raise PolicyDiverged("sampling met next-token probabilities that are not finite: an earlier update made the "
+                                 "policy diverge (a learning rate too large for the model?); checkpoints written "
+                                 "since may hold it: resume from one before, with a smaller learning rate") from None
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | None, seed: int, generations: int = 1,
                  batch_size: int | None = None, train: bool = True, rollout: Rollout | None = None) -> RolloutBatch:

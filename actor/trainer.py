@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import shutil
 import signal
@@ -59,7 +60,7 @@ from .environments import BadEnvironment
 from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
 from .models import load_models, padding_id
 from .multiturn import episode_metrics, multi_turn_collector
-from .rollouts import RolloutBatch, RolloutCollector
+from .rollouts import PolicyDiverged, RolloutBatch, RolloutCollector
 from .servers import Servers
 from .tracking import MetricsTracker, Timers, step_breakdown
 
@@ -234,7 +235,7 @@ class PPOTrainer:
         tokens, lengths = batch.rollout.tokens, batch.rollout.lengths
         sums = dict.fromkeys(("ppo_ratio", "ppo_ratio_clamped", "dual_clipfrac", "approx_kl", "entropy", "kl_penalty"), 0.0)
         n_tokens_seen, ratio_min, ratio_max = 0.0, float("inf"), float("-inf")
-        loss_sum, grad_norm_sum, n_steps = 0.0, 0.0, 0
+        loss_sum, grad_norm_sum, n_steps, skipped, empty = 0.0, 0.0, 0, 0, 0
         max_norm = pol.max_grad_norm if pol.max_grad_norm > 0 else float("inf")
         # The policy stays in eval mode: no dropout, so the first epoch's ratio is 1 (NeMo-Aligner too; in
         # float32 up to rounding, in bf16 within its rounding, since the log-prob and training passes batch rows apart).
@@ -242,9 +243,13 @@ class PPOTrainer:
             order = self._group_order(batch.group_ids)
             for g in range(0, len(order), pol.train_global_batch_size):
                 idx = order[g:g + pol.train_global_batch_size]
+                if not loss_mask[idx].any():  # nothing to learn: a step would still move the weights (momentum)
+                    empty += 1
+                    continue
                 n_tokens = float(loss_mask[idx].sum().clamp(min=1))
                 n_seqs = float((loss_mask[idx].sum(1) > 0).sum().clamp(min=1))
                 self.optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
                 for bucket in length_buckets(lengths[idx], self.train_passes):
                     mi = idx[bucket]  # rows of similar length, trimmed to the longest: no work on padding
                     w = self.train_passes.width(int(lengths[mi].max()), tokens.shape[1])
@@ -266,7 +271,7 @@ class PPOTrainer:
                         entropy = entropy_from_logits(logits)
                     loss = pg_loss - lf.entropy_bonus * aggregate_loss(entropy, mk, aggregation, n_tokens, n_seqs)
                     loss.backward()
-                    loss_sum += float(loss.detach())
+                    step_loss += float(loss.detach())
                     k = float(mk.sum())
                     if k > 0:
                         n_tokens_seen += k
@@ -277,16 +282,36 @@ class PPOTrainer:
                         sums["entropy"] += float(masked_sum(entropy.detach(), mk))
                         ratio_min = min(ratio_min, float(stats["ratio_min"]))
                         ratio_max = max(ratio_max, float(stats["ratio_max"]))
-                grad_norm_sum += float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+                if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):  # never into the weights
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
                 self.optimizer.step()
-                n_steps += 1
+                loss_sum, grad_norm_sum, n_steps = loss_sum + step_loss, grad_norm_sum + grad_norm, n_steps + 1
+        if n_steps and not all(bool(torch.isfinite(w).all()) for w in self.policy.parameters() if w.requires_grad):
+            raise PolicyDiverged(
+                f"the policy's weights are not finite after this step's update (policy.optimizer.kwargs.lr="
+                f"{self.optimizer.param_groups[0]['lr']:g}; a learning rate too large for the model?): the run stops "
+                f"without saving them; the latest complete checkpoint in {self.run_dir / 'checkpoints'} is from "
+                f"before")
+        if skipped:
+            log.warning("%d policy optimizer steps skipped: their loss or gradient was not finite (a learning rate or "
+                        "advantages too large?); the weights are as before them", skipped)
+        if empty and not n_steps and not skipped:
+            log.warning("no sample has a token in the policy loss (cut off before EOS with ppo.overlong_filtering, or "
+                        "masked): the policy is not updated this step")
+        nan = float("nan")  # written as null: no step, or no token, to average over
         return {
-            "train_optim/loss": loss_sum / n_steps,
-            **{f"train_optim/{k}": v / max(n_tokens_seen, 1.0) for k, v in sums.items()},
-            "train_optim/ppo_ratio_min": ratio_min if n_tokens_seen else 0.0,
-            "train_optim/ppo_ratio_max": ratio_max if n_tokens_seen else 0.0,
-            "train_optim/grad_norm": grad_norm_sum / n_steps,
+            "train_optim/loss": loss_sum / n_steps if n_steps else nan,
+            **{f"train_optim/{k}": v / n_tokens_seen if n_tokens_seen else nan for k, v in sums.items()},
+            "train_optim/ppo_ratio_min": ratio_min if n_tokens_seen else nan,
+            "train_optim/ppo_ratio_max": ratio_max if n_tokens_seen else nan,
+            "train_optim/grad_norm": grad_norm_sum / n_steps if n_steps else nan,
             "train_optim/lr": self.optimizer.param_groups[0]["lr"],
+            "train_optim/optimizer_steps": float(n_steps),
+            "train_optim/skipped_steps": float(skipped),
+            "train_optim/empty_steps": float(empty),
         }
 
     # --- one step -------------------------------------------------------------------------------

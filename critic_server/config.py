@@ -13,7 +13,7 @@ from serving.server_config import ServerConfig
 class CriticTrainConfig(StrictModel):
     """How a Train request updates the critic."""
 
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (NeMo-Aligner uses 9e-6 for billion-parameter critics).")
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="AdamW learning rate (NeMo-Aligner uses 9e-6 for billion-parameter critics).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     global_batch_size: int = Field(64, ge=1, description="Rows per optimizer step; a Train of B rows takes ceil(B / this) steps.")
     micro_batch_size: int = Field(16, ge=1, description="Rows per forward/backward pass (gradient accumulation).")

@@ -175,3 +175,26 @@ def test_an_actor_started_before_its_servers_waits_for_them(embedded_cache, log_
     assert actor.returncode == 0, out
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (run_dir / "reward_curve.png").exists()  # logger.reward_curve_enabled=false (actor_command)
+
+
+def test_a_diverging_update_stops_the_run_with_an_error_saying_so(servers, tmp_path):
+    """A learning rate far too large: the run stops with an error saying the policy diverged, not with a torch
+    traceback from the next step's sampling, and no checkpoint holds non-finite weights. An infinite learning rate
+    is a config error."""
+    _, reward = servers
+    run_dir = tmp_path / "run"
+    cmd = actor_command("grpo", run_dir, *TWO_STEPS, "ppo.max_num_steps=6", "checkpointing.save_period=1",
+                        "policy.optimizer.kwargs.lr=1e30", "ppo.overlong_filtering=false",
+                        f"reward.address={reward.address}")
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    # the weights overflow in the update (stopped before they are saved) or stay finite but huge (stopped at the
+    # sampling they break)
+    assert ("error: the policy's weights are not finite after this step's update (policy.optimizer.kwargs.lr=1e+30"
+            in done.stderr or "error: sampling met next-token probabilities that are not finite" in done.stderr)
+    for saved in (run_dir / "checkpoints").glob("step_*"):
+        model = AutoModelForCausalLM.from_pretrained(saved / "actor")
+        assert all(bool(torch.isfinite(w).all()) for w in model.parameters()), saved
+    done = subprocess.run([*cmd[:cmd.index("policy.optimizer.kwargs.lr=1e30")], "policy.optimizer.kwargs.lr=inf"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "policy.optimizer.kwargs.lr" in done.stderr, done.stderr[-2000:]
