@@ -117,18 +117,30 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
                  embedding_rows: int | None = None) -> list[Prompt]:
     """Every prompt of a JSONL file, formatted by `fmt` and tokenized, with its label if the line has one. With
     `embedding_rows` (the policy's), a prompt holding a token the model has no embedding for is refused."""
+    if path.is_dir():
+        raise DataError(f"{path}: a directory, where a prompt file (JSONL) is expected")
     if not path.is_file():
         raise DataError(f"{path}: prompt file does not exist")
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                f"prompt files are JSONL in UTF-8") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg}") from None
-            if not isinstance(obj, dict) or key not in obj or obj[key] == "":
+                raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+            try:
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:  # JSON's \uXXXX escapes can spell half of a surrogate pair alone
+                raise DataError(f"{path}:{lineno}: holds a lone surrogate (a \\ud800-\\udfff escape without its "
+                                f"pair), which is not valid Unicode") from None
+            if not isinstance(obj, dict) or key not in obj or (isinstance(obj[key], str) and not obj[key].strip()):
                 raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r} (or a list of "
                                 f"chat messages)")
             try:

@@ -31,8 +31,12 @@ class Servers:
     `score`, the reward request of every generation batch."""
 
     def __init__(self, cfg: ActorConfig, tokenizer: PreTrainedTokenizerBase, policy_max_length: int,
-                 train_prompts: list[Prompt], val_prompts: list[Prompt]):
+                 train_prompts: list[Prompt], val_prompts: list[Prompt], token_ids: int | None = None):
+        """`token_ids`: how many ids the run can send (the tokenizer's, bounded by the policy's embedding rows and
+        head: a pad token added to a tokenizer without resizing the model is never sent); the servers' models must
+        embed that many."""
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.token_ids = token_ids if token_ids is not None else len(tokenizer)
         self.train_prompts, self.val_prompts = train_prompts, val_prompts
         self.token = load_token(cfg.auth_token_file, "auth_token_file")
         self.critic: CriticClient | None = None
@@ -55,7 +59,7 @@ class Servers:
         why = f"the longest prompt ({longest} tokens) + policy.generation.max_new_tokens ({cfg.policy.generation.max_new_tokens})"
         if policy_max_length < needed:
             raise SystemExit(f"the policy accepts at most {policy_max_length} tokens, but {why} need {needed}")
-        sha, vocab = vocab_sha256(self.tokenizer), len(self.tokenizer)
+        sha, vocab = vocab_sha256(self.tokenizer), self.token_ids
         critic_info = self.critic.info() if self.critic is not None else None
         if critic_info is not None:
             check_compatible("critic", critic_info, sha, vocab, needed, why)

@@ -162,7 +162,9 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 
         self.run_id = run_id_of(self.run_dir)
-        self.servers = Servers(cfg, self.tokenizer, max_length_of(self.policy), self.train_prompts, self.val_prompts)
+        # the ids this run can send: prompts and pad are held to the embedding rows, as sampling is
+        self.servers = Servers(cfg, self.tokenizer, max_length_of(self.policy), self.train_prompts, self.val_prompts,
+                               min(len(self.tokenizer), embedding_rows))
         self.critic = self.servers.critic
         # with an environment, each generation batch is a batch of multi-turn episodes (actor/multiturn.py)
         collector = (RolloutCollector if cfg.env.name is None else

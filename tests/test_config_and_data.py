@@ -89,12 +89,16 @@ def tokenizer(embedded_assets):
         ('{"prompt": "river =>"}\n\n{"text": "x"}\n', [":3:", "'prompt'"]),
         ('{"prompt": "' + " ".join(["river"] * 70) + '"}\n', [":1:", "70 tokens", "data.max_input_seq_length=64"]),
         ("", ["no prompts"]),
+        ('{"prompt": "river =>"}\n{"prompt": "bad \\ud83d end"}\n', [":2:", "lone surrogate"]),
+        ('{"prompt": "river =>"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"), [":2:", "not UTF-8", "0xe9", "column 16"]),
+        ('{"prompt": "   "}\n', [":1:", "non-empty string 'prompt'"]),
+        ('\ufeff{"prompt": "river =>"}\n{"prompt": "a\tb\x01"}\n'.encode(), [":2:", "not valid JSON", "column"]),
     ],
-    ids=["bad-json", "missing-key", "too-long", "empty"],
+    ids=["bad-json", "missing-key", "too-long", "empty", "lone-surrogate", "latin-1", "blank-prompt", "control-char"],
 )
 def test_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, words):
     path = tmp_path / "prompts.jsonl"
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DataError) as err:
         load_prompts(path, "prompt", tokenizer, 64)
     assert str(path) in str(err.value)

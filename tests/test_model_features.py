@@ -307,11 +307,12 @@ def test_a_policy_tokenizer_without_pad_or_eos_is_refused_at_start(embedded_asse
         in bad.stderr, bad.stderr[-2000:]
 
 
-def test_a_pad_token_the_model_was_not_resized_for_gives_way_to_eos(embedded_assets, reward, tmp_path):
+def test_a_pad_token_the_model_was_not_resized_for_gives_way_to_eos(embedded_assets, reward, log_dir, tmp_path):
     """A pad token added to the tokenizer without resizing the model's embeddings (an id past them) crashed the first
-    forward: rows are padded with EOS instead (padding is masked), with a warning, and the step trains. A prompt that
-    holds such a token is refused naming its file and line; a tokenizer whose pad and EOS both lie past the table is
-    refused naming policy.model_name."""
+    forward: rows are padded with EOS instead (padding is masked), with a warning, and the step trains, with a critic
+    started from the same directory too (the actor held the critic to the tokenizer's length, one past the rows it
+    sends, and refused it). A prompt that holds such a token is refused naming its file and line; a tokenizer whose
+    pad and EOS both lie past the table is refused naming policy.model_name."""
     model_dir = policy_with_tokens(embedded_assets, tmp_path / "added-pad")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.pad_token = None
@@ -324,6 +325,12 @@ def test_a_pad_token_the_model_was_not_resized_for_gives_way_to_eos(embedded_ass
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"the pad token of {model_dir} (id {rows}) is past the policy's embedding table ({rows} rows)" in run.stderr
     assert f"rows are padded with EOS (id {tokenizer.eos_token_id}) instead" in run.stderr
+    with ServiceProcess("critic", "--model", str(model_dir), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        log_dir=log_dir) as critic:
+        run = run_actor("ppo", tmp_path / "run-ppo", *RUN, "ppo.max_num_steps=1", "checkpointing.save_period=0",
+                        f"policy.model_name={model_dir}", f"reward.address={reward.address}",
+                        f"critic.address={critic.address}")
+    assert run.returncode == 0, run.stderr[-3000:]
 
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "river castle =>"}\n{"prompt": "river [PAD] castle"}\n')
     with pytest.raises(DataError, match=re.escape(f"prompts.jsonl:2: the prompt holds token '[PAD]' (id {rows}), "
