@@ -95,6 +95,10 @@ def resume_point(cfg: CheckpointingConfig, root: Path) -> Path | None:
     return path
 
 
+OTHER_CHOICES = ("; resume from an earlier checkpoint (checkpointing.resume=<run_dir>/checkpoints/step_N) or start "
+                 "over (checkpointing.resume=never)")
+
+
 def write_state(directory: Path, state: dict[str, Any], optimizer: dict, rng: dict[str, Any]) -> None:
     torch.save(optimizer, directory / OPTIMIZER_FILE)
     torch.save(rng, directory / RNG_FILE)
@@ -107,8 +111,14 @@ def read_state(directory: Path) -> tuple[dict[str, Any], dict, dict[str, Any]]:
         optimizer = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         rng = torch.load(directory / RNG_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read means this checkpoint cannot be resumed
-        raise ResumeError(f"{directory}: cannot load its optimizer or random states ({type(e).__name__}: {e})") from None
-    return json.loads((directory / STATE_FILE).read_text()), optimizer, rng
+        raise ResumeError(f"{directory}: cannot load its optimizer or random states ({type(e).__name__}: {e})"
+                          f"{OTHER_CHOICES}") from None
+    try:
+        state = json.loads((directory / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"{directory}: cannot read its {STATE_FILE} ({type(e).__name__}: {e}){OTHER_CHOICES}") \
+            from None
+    return state, optimizer, rng
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, state: dict[str, Any], directory: Path) -> None:

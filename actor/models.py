@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from embedded import naming_the_model, resolve_model
-from serving.modeling import embeddable_pad_id
+from serving.modeling import embeddable_pad_id, load_tokenizer, vocab_sha256
 
-from .checkpoints import ResumeError
+from .checkpoints import OTHER_CHOICES, ResumeError
 from .config import LoraConfig, PolicyConfig
 
 if TYPE_CHECKING:  # peft loads only for a LoRA policy: a quarter second of every actor start otherwise
@@ -223,6 +224,22 @@ class PolicyModels:
                 m.eval()
 
 
+def vocabulary_misfit(reference: PreTrainedModel, reference_path: str, policy: PreTrainedModel,
+                      policy_path: str) -> str | None:
+    """Why `reference` cannot score the policy's tokens (an embedding table of another size; a tokenizer beside it
+    with another vocabulary), or None."""
+    rows, ref_rows = (m.get_input_embeddings().num_embeddings for m in (policy, reference))
+    if rows != ref_rows:
+        return f"its embedding table has {ref_rows} rows, the policy's {rows}"
+    try:
+        theirs, ours = load_tokenizer(reference_path), load_tokenizer(policy_path)
+    except (OSError, ValueError):  # no tokenizer beside the reference: its rows are what can be compared
+        return None
+    if vocab_sha256(theirs) != vocab_sha256(ours):
+        return "its tokenizer's vocabulary differs from the policy's"
+    return None
+
+
 def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device, dtype: torch.dtype,
                 with_reference: bool = True) -> PolicyModels:
     """The policy from cfg.model_name, or from `checkpoint`/actor when resuming (with LoRA: the base model plus the
@@ -238,8 +255,15 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
     base_path = resolve_model(cfg.model_name, key="policy.model_name") if saved is None or holds_adapter else str(saved)
     # trained weights stay float32 (the passes run in `dtype` under autocast: mixed precision); LoRA's frozen base
     # is held in `dtype`, its adapters in float32 (peft's default)
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype if cfg.lora is not None else torch.float32,
-                                                 trust_remote_code=cfg.trust_remote_code)
+    try:
+        with naming_the_model("policy.model_name", cfg.model_name) if base_path != str(saved) else nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype if cfg.lora is not None else
+                                                         torch.float32, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, SafetensorError) as e:
+        if base_path != str(saved):
+            raise
+        raise ResumeError(f"{checkpoint}: its policy cannot be loaded ({type(e).__name__}: {e}){OTHER_CHOICES}") \
+            from None
     adapted = None
     if cfg.lora is not None:
         from peft import PeftModel
@@ -275,6 +299,10 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
             ref = AutoModelForCausalLM.from_pretrained(resolve_model(ref_spec, key=ref_key), dtype=torch.float32,
                                                        trust_remote_code=cfg.trust_remote_code)
         ref.eval().requires_grad_(False)
+        if cfg.reference_model_name and (why := vocabulary_misfit(ref, resolve_model(ref_spec, key=ref_key), model,
+                                                                   base_path)):
+            raise ModelSetupError(f"policy.reference_model_name={ref_spec}: {why}; the KL to it would compare "
+                                  f"different tokens: give a reference with the policy's tokenizer")
         if cfg.reference_offload:
             reference = OffloadedReference(ref, device)
             log.info("reference policy: on the CPU, moved to %s for its log-prob passes", device)

@@ -135,10 +135,13 @@ class ModelNotFound(ValueError):
 @contextlib.contextmanager
 def naming_the_model(key: str, spec: str) -> Iterator[None]:
     """Within the block, an OSError of transformers loading the model `spec` (a hub id it could not fetch, a directory
-    without a model in it) is raised again as ModelNotFound naming the setting `key`."""
+    without a model's weights in it) or its ValueError (a directory without a tokenizer it can build) is raised again
+    as ModelNotFound naming the setting `key`."""
     try:
         yield
-    except OSError as e:
+    except ModelNotFound:
+        raise
+    except (OSError, ValueError) as e:
         raise ModelNotFound(f"{key}={spec}: {e}") from e
 
 

@@ -342,6 +342,21 @@ def test_a_pad_token_the_model_was_not_resized_for_gives_way_to_eos(embedded_ass
         padding_id(tokenizer, rows, str(model_dir))
 
 
+def test_a_reference_of_another_vocabulary_is_refused_at_start(embedded_assets, tmp_path):
+    """A reference model with another embedding table (or another tokenizer beside it) gave a meaningless KL, or an
+    IndexError in the first step's reference pass: it is refused at start, naming policy.reference_model_name."""
+    policy = AutoModelForCausalLM.from_pretrained(embedded_assets.policy)
+    config = policy.config.to_dict()
+    config["vocab_size"] += 7
+    wider = tmp_path / "wider"
+    AutoModelForCausalLM.from_config(type(policy.config).from_dict(config)).save_pretrained(wider)
+    rows = policy.get_input_embeddings().num_embeddings
+    bad = run_actor("grpo", tmp_path / "run", f"policy.reference_model_name={wider}", critic_dead(), timeout=120)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert (f"error: policy.reference_model_name={wider}: its embedding table has {rows + 7} rows, the policy's "
+            f"{rows}; the KL to it would compare different tokens") in bad.stderr, bad.stderr[-2000:]
+
+
 def test_a_policy_tokenizer_without_eos_generates_to_max_new_tokens(embedded_assets, reward, tmp_path):
     """No EOS token (a pad token only, and none in the generation config): no sample can end by EOS, so every
     response runs to max_new_tokens, and the log says so once at start."""

@@ -109,3 +109,46 @@ def test_a_second_actor_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_pat
     finally:
         held.close()
     lock_run_dir(run_dir).close()  # released: the next one takes it
+
+
+@pytest.mark.parametrize("damage", ["weights-truncated", "weights-missing", "config-only-model"])
+def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(embedded_assets, tmp_path, damage):
+    """A checkpoint damaged on disk (a full disk, a copy gone wrong) stops the resume with the checkpoint named and
+    the two ways on; a model directory with a config but no weights is refused naming policy.model_name. Both were
+    tracebacks."""
+    import shutil
+
+    if damage == "config-only-model":
+        model = tmp_path / "config-only"
+        model.mkdir()
+        shutil.copy(embedded_assets.policy / "config.json", model)
+        done = subprocess.run([sys.executable, "-m", "actor", "--http-port", "0", f"run_dir={tmp_path / 'run'}",
+                               f"policy.model_name={model}"], cwd=ROOT, check=False, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"error: policy.model_name={model}: " in done.stderr
+        return
+    step = tmp_path / "run" / "checkpoints" / "step_3"
+    shutil.copytree(embedded_assets.policy, step / "actor")
+    (step / "trainer_state.json").write_text("{}")
+    weights = step / "actor" / "model.safetensors"
+    if damage == "weights-missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:100])
+    done = subprocess.run([sys.executable, "-m", "actor", "--http-port", "0", f"run_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"error: {step}: its policy cannot be loaded" in done.stderr
+    assert "checkpointing.resume=<run_dir>/checkpoints/step_N" in done.stderr and "resume=never" in done.stderr
+
+
+def test_a_trainer_state_that_is_no_json_is_a_resume_error(tmp_path):
+    from actor.checkpoints import ResumeError, read_state
+
+    torch_save = __import__("torch").save
+    torch_save({}, tmp_path / "optimizer.pt")
+    torch_save({}, tmp_path / "rng.pt")
+    (tmp_path / "trainer_state.json").write_text('{"step": 3, "consu')
+    with pytest.raises(ResumeError, match=f"^{tmp_path}: cannot read its trainer_state.json \\(JSONDecodeError"):
+        read_state(tmp_path)
