@@ -8,7 +8,7 @@ NeMo-Aligner's names to these. Contradictory settings fail at start-up naming bo
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -403,6 +403,10 @@ class ActorConfig(StrictModel):
     @property
     def rollout_samples(self) -> int:
         return self.ppo.num_prompts_per_step * self.ppo.num_generations_per_prompt
+
+    # read by serving.config.load_config: a file's `grpo:` section takes `ppo.*` overrides, and `grpo.*` overrides
+    # land in a file's `ppo:` section
+    section_aliases: ClassVar[dict[str, str]] = {"grpo": "ppo"}
 
     @model_validator(mode="before")
     @classmethod

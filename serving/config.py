@@ -98,8 +98,13 @@ def load_config(model: type[Cfg], path: str | Path | None = None, overrides: lis
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
         source = str(path)
+    aliases: dict[str, str] = getattr(model, "section_aliases", {})
+    for alias, name in aliases.items():  # one section, two names (NeMo-RL's `grpo` for `ppo`): the file's, renamed
+        if alias in data and name not in data:
+            data[name] = data.pop(alias)
     for override in overrides or []:
-        apply_override(data, override)
+        head, dot, rest = override.partition(".")
+        apply_override(data, f"{aliases[head]}.{rest}" if dot and head in aliases else override)
     if overrides:
         source += " + command-line overrides"
     try:

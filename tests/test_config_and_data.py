@@ -324,3 +324,19 @@ def test_a_leading_tilde_in_a_directory_key_is_the_home_directory(tmp_path, monk
     assert load_config(ActorConfig, path).run_dir == str(tmp_path / "runs" / "ppo")
     assert load_config(CriticConfig, None, ["checkpoint_dir=~/ckpt"]).checkpoint_dir == str(tmp_path / "ckpt")
     assert load_config(ActorConfig).run_dir == "runs/ppo"  # a relative path stays relative to the working directory
+
+
+def test_a_grpo_section_takes_ppo_overrides_and_a_ppo_section_grpo_ones(tmp_path):
+    """NeMo-RL's GRPO files call the section `grpo`; the README's overrides say `ppo.*`. Either spelling of an
+    override lands in the file's section, and wins over it, whichever the file uses."""
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text("grpo:\n  max_num_steps: 30\n  num_generations_per_prompt: 4\n")
+    cfg = load_config(ActorConfig, grpo, ["ppo.max_num_steps=1"])
+    assert (cfg.ppo.max_num_steps, cfg.ppo.num_generations_per_prompt) == (1, 4)
+    ppo = tmp_path / "ppo.yaml"
+    ppo.write_text("ppo:\n  max_num_steps: 30\n")
+    assert load_config(ActorConfig, ppo, ["grpo.max_num_steps=2"]).ppo.max_num_steps == 2
+    both = tmp_path / "both.yaml"
+    both.write_text("ppo:\n  max_num_steps: 30\ngrpo:\n  max_num_steps: 3\n")
+    with pytest.raises(ConfigError, match="ppo and grpo name the same section"):
+        load_config(ActorConfig, both)
