@@ -219,13 +219,16 @@ def test_k8s_command_matches_compose(k8s, compose, name):
     assert strip_deploy_args(argv) == expected_command(name)
     check_listens_on_all_interfaces(argv)
     compose_argv = compose["services"][name]["command"]
+
+    def without_threads(a: list[str]) -> list[str]:
+        return [x for x in a if not x.startswith("num_threads=")]
+
+    # the thread budget follows each platform's CPU allotment (compose: one shared host, where the actor takes the
+    # cores the servers leave; k8s: the requests)
     if name == "actor":
         check_actor_targets(argv)
-        assert overrides(argv) == overrides(compose_argv)
-    else:  # the thread budget follows each platform's CPU allotment (compose: one shared host; k8s: the requests)
-        def without_threads(a: list[str]) -> list[str]:
-            return [x for x in a if not x.startswith("num_threads=")]
-
+        assert {k: v for k, v in overrides(argv).items() if k != "num_threads"} == overrides(compose_argv)
+    else:
         assert without_threads(argv) == without_threads(compose_argv)
 
 
@@ -254,7 +257,7 @@ def test_k8s_network_policy_lets_only_the_actor_reach_grpc(k8s, name):
 
 
 def test_k8s_thread_budgets_match_the_cpu_requests(k8s):
-    for name in ("critic", "reward"):
+    for name in ("critic", "reward", "actor"):
         container = main_container(k8s, name)
         budget = [x for x in container["args"] if x.startswith("num_threads=")]
         assert budget == [f"num_threads={container['resources']['requests']['cpu']}"], name
@@ -369,3 +372,17 @@ def test_generated_stubs_are_fresh():
     result = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], check=False, cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_k8s_pods_meet_the_restricted_pod_security_standard(k8s, name):
+    """What a namespace labelled pod-security.kubernetes.io/enforce=restricted checks: non-root, no privilege
+    escalation, every capability dropped, the runtime's seccomp profile; and every container, the init one too,
+    requests resources."""
+    spec = pod_spec(k8s, name)
+    assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["seccompProfile"] == {
+        "type": "RuntimeDefault"}
+    for container in [*spec.get("initContainers", []), *spec["containers"]]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}, name
+        assert container["resources"]["requests"], container["name"]
