@@ -9,24 +9,29 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
+
+# No `*_created` series beside each counter and histogram: the text format shows each as a gauge family of its own,
+# doubling what every scrape stores. Every service (the actor too) serves /metrics through this module.
+disable_created_metrics()
 
 
 def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable[[], bool]) -> None:
-    @app.get("/health")
+    # HEAD too (RFC 9110: wherever GET is), which some load balancers and uptime checkers probe with
+    @app.api_route("/health", methods=["GET", "HEAD"])
     def health() -> dict:
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     def ready(response: Response) -> dict:
         """Readiness: 200 when the service can do its work, else 503."""
         ok = is_ready()
         response.status_code = 200 if ok else 503
         return {"ready": ok}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     def metrics(request: Request) -> Response:
         """Prometheus exposition in the format the scraper's Accept header asks for: OpenMetrics for Prometheus
         itself (its default scrape protocols list it first), the text format otherwise."""

@@ -25,7 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
@@ -115,7 +115,25 @@ class DocumentedReflectionServicer(reflection.aio.ReflectionServicer):
         return self._with_comments(super()._file_by_filename(request, filename))
 
     def _file_containing_symbol(self, request, fully_qualified_name):
-        return self._with_comments(super()._file_containing_symbol(request, fully_qualified_name))
+        response = super()._file_containing_symbol(request, fully_qualified_name)
+        if response.HasField("error_response") and _is_method_or_enum_value(fully_qualified_name):
+            # the stock servicer's lookup finds neither: the file of the service or enum that holds it
+            response = super()._file_containing_symbol(request, fully_qualified_name.rpartition(".")[0])
+        return self._with_comments(response)
+
+
+def _is_method_or_enum_value(name: str) -> bool:
+    pool = descriptor_pool.Default()
+    parent, _, last = name.rpartition(".")
+    try:
+        pool.FindMethodByName(name)
+        return True
+    except KeyError:
+        pass
+    try:
+        return last in pool.FindEnumTypeByName(parent).values_by_name
+    except KeyError:
+        return False
 
 
 def add_probe_services(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

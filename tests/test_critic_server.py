@@ -395,6 +395,7 @@ def test_health_reflection_and_rest_endpoints(critic):
                  "ppo_critic_queue_duration_seconds_bucket", "ppo_critic_batch_size_bucket", "ppo_critic_pass_tokens_bucket",
                  "ppo_critic_train_steps", "ppo_critic_last_loss"):
         assert name in text, name
+    assert "_created" not in text  # no gauge family per counter and histogram beside it
     assert re.search(r'ppo_critic_requests_total\{code="INVALID_ARGUMENT",method="Infer"\} [1-9]', text) or \
         re.search(r'ppo_critic_requests_total\{method="Infer",code="INVALID_ARGUMENT"\} [1-9]', text)
     # Prometheus' own scrape asks for OpenMetrics first (its default Accept header) and gets it

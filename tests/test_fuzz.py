@@ -435,6 +435,8 @@ def test_no_rest_request_gets_a_server_error(reward, critic):
                     status = http.request("GET", route + query, content=random_bytes(rng), headers=headers).status_code
                     counts[(f"rest GET {route}", str(status))] += 1
                     assert status == 200, (route, status)
+                head = http.head(route)
+                assert head.status_code == 200 and head.content == b"", route  # as GET, without the body
                 for method in ("POST", "PUT", "DELETE", "PATCH"):
                     status = http.request(method, route, content=random_bytes(rng)).status_code
                     counts[(f"rest {method} {route}", str(status))] += 1

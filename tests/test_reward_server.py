@@ -859,7 +859,17 @@ def test_reflection_answers_under_v1_and_v1alpha(server, version):
         answers = list(rpc(iter([
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(file_containing_symbol="ppo_services.v1.RewardService"),
+            # `grpcurl describe ppo_services.v1.RewardService.Score` asks for a method (grpcio-reflection alone
+            # answers NOT_FOUND)
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="ppo_services.v1.RewardService.Score"),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="ppo_services.v1.RewardService.Nothing"),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="ppo_services.v1.DType.DTYPE_INT64"),
         ]), timeout=10))
+    assert answers[2].file_descriptor_response == answers[1].file_descriptor_response
+    assert answers[3].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+    common = [descriptor_pb2.FileDescriptorProto.FromString(b).name
+              for b in answers[4].file_descriptor_response.file_descriptor_proto]
+    assert common == ["ppo_services/v1/common.proto"]
     names = {s.name for s in answers[0].list_services_response.service}
     assert {"ppo_services.v1.RewardService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
