@@ -46,7 +46,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     """Set `a.b.c=value` in nested dict `data`; the value is parsed as YAML (`3`, `true`, `[1, 2]`, `null`)."""
     key, sep, raw = override.partition("=")
     if not sep or not key:
-        raise ConfigError(f"override {override!r}: expected KEY=VALUE with a dotted KEY, e.g. ppo.gamma=0.99")
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE with a dotted KEY, e.g. num_threads=2 or "
+                          "section.key=value")
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
@@ -136,7 +137,8 @@ def parse_cli(
     """Command line of a service: `--config FILE`, the flags in `flags` (`--port` -> config key `port`,
     with help text), and trailing dotted `key=value` overrides. Exits with status 2 on a config error, and when a
     directory named by a key in `writes` (where the service writes its work) cannot be created and written."""
-    parser = argparse.ArgumentParser(description=description)
+    package = model.__module__.partition(".")[0]  # actor.config -> `python -m actor`, as a user starts it
+    parser = argparse.ArgumentParser(prog=f"python -m {package}", description=description)
     parser.add_argument("--config", help="YAML config file; every key is documented in the README")
     for flag, (key, help_text) in flags.items():
         if key in switches:  # a flag without a value sets its boolean key
@@ -144,7 +146,8 @@ def parse_cli(
                                 help=f"{help_text} (config key `{key}`)")
         else:
             parser.add_argument(flag, dest=key.replace(".", "__"), default=None, help=f"{help_text} (config key `{key}`)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. ppo.gamma=0.99")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted config overrides, e.g. num_threads=2 (every service has it)")
     args = parser.parse_args(argv)
     overrides = [f"{key}={v}" for key, _ in flags.values() if (v := getattr(args, key.replace(".", "__"))) is not None]
     try:

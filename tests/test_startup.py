@@ -152,3 +152,13 @@ def test_a_trainer_state_that_is_no_json_is_a_resume_error(tmp_path):
     (tmp_path / "trainer_state.json").write_text('{"step": 3, "consu')
     with pytest.raises(ResumeError, match=f"^{tmp_path}: cannot read its trainer_state.json \\(JSONDecodeError"):
         read_state(tmp_path)
+
+
+@pytest.mark.parametrize("module", ["actor", "critic_server", "reward_server"])
+def test_help_names_the_command_and_an_override_that_exists(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, check=True, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.startswith(f"usage: python -m {module} ") and "num_threads=2" in done.stdout
+    check = subprocess.run([sys.executable, "-m", module, "--http-port", "0", "num_threads=abc"], cwd=ROOT,
+                           check=False, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 2 and "num_threads" in check.stderr and "unknown key" not in check.stderr
