@@ -99,6 +99,31 @@ OTHER_CHOICES = ("; resume from an earlier checkpoint (checkpointing.resume=<run
                  "over (checkpointing.resume=never)")
 
 
+# Settings a resumed run may change without changing what it computes: where and how long it runs, what it logs
+# and keeps, its servers' addresses and its thread budget
+_REMOTE = ("address", "url", "connect_timeout_s", "timeout_s", "max_message_mb", "outage_timeout_s", "tls_", "retries")
+_FREE_TO_CHANGE = ("run_dir", "host", "http_port", "auth_token_file", "num_threads", "logger.", "checkpointing.",
+                   *(f"{server}.{key}" for server in ("critic", "reward") for key in _REMOTE),
+                   "ppo.max_num_steps", "ppo.max_num_epochs", "ppo.val_period", "ppo.val_at_start", "ppo.val_at_end",
+                   "ppo.max_val_samples", "policy.device")
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key (was A, now B)` for each setting in which the config a checkpoint was saved with differs from this run's,
+    other than those a resume may change freely."""
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(now)
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)
+                  and not (k.startswith(_FREE_TO_CHANGE) or k in _FREE_TO_CHANGE))
+    return [f"{k} (was {a.get(k)!r}, now {b.get(k)!r})" for k in keys] if saved else []
+
+
 def write_state(directory: Path, state: dict[str, Any], optimizer: dict, rng: dict[str, Any]) -> None:
     torch.save(optimizer, directory / OPTIMIZER_FILE)
     torch.save(rng, directory / RNG_FILE)

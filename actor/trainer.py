@@ -460,6 +460,9 @@ class PPOTrainer:
         """Continue from a checkpoint: optimizer, data position, random states, KL coefficient, and the critic
         returned to its checkpoint of the same step. Returns the step the checkpoint finished."""
         state, optimizer, rng = checkpoints.read_state(directory)
+        if changed := checkpoints.changed_settings(state.get("config", {}), self.cfg.model_dump(mode="json")):
+            log.warning("resuming %s with settings that differ from those it was saved with: %s; the steps from "
+                        "here are not those of an uninterrupted run", directory, "; ".join(changed))
         checkpoints.load_optimizer_state(self.optimizer, optimizer, state, directory)
         self.sampler.load_state_dict(rng["sampler"])
         self.shuffle_gen.set_state(rng["shuffle"])
@@ -489,6 +492,9 @@ class PPOTrainer:
         if p.val_at_start and not self.start_step:
             self.tracker.log(0, {**self.validate(), **self.timers.pop()})
         last_batch, step = None, self.start_step
+        if self.start_step >= p.max_num_steps:
+            self.tracker.write(f"nothing to train: the run resumed after step {self.start_step}, and "
+                               f"ppo.max_num_steps={p.max_num_steps}; raise it to train further")
         started = time.monotonic()
         for step in range(self.start_step + 1, p.max_num_steps + 1):
             if self.sampler.finished_epochs >= p.max_num_epochs:

@@ -48,3 +48,19 @@ def test_retention_and_deadline_settings_are_checked():
     with pytest.raises(ValueError, match="HH:MM:SS"):
         CheckpointingConfig(checkpoint_must_save_by="4h")
     assert CheckpointingConfig(checkpoint_must_save_by="01:02:03:04").must_save_by_s == 86400 + 7200 + 180 + 4
+
+
+def test_a_resume_names_the_settings_that_differ_from_the_checkpoint_s():
+    """A resume with another policy, seed or critic epochs computes other steps than the uninterrupted run would: the
+    actor warns, naming each; where it runs, how long, its logging and its servers' addresses may change freely."""
+    from actor.checkpoints import changed_settings
+    from actor.config import ActorConfig
+
+    saved = ActorConfig().model_dump(mode="json")
+    now = ActorConfig(run_dir="elsewhere", num_threads=2, critic={"address": "host:1", "ppo_epochs": 2},
+                      policy={"model_name": "./other"}, ppo={"max_num_steps": 900, "seed": 3},
+                      logger={"tensorboard_enabled": False}).model_dump(mode="json")
+    assert changed_settings(saved, now) == ["critic.ppo_epochs (was 1, now 2)",
+                                            "policy.model_name (was 'embedded:policy', now './other')",
+                                            "ppo.seed (was 42, now 3)"]
+    assert changed_settings(saved, saved) == [] and changed_settings({}, now) == []
