@@ -224,6 +224,16 @@ class PolicyModels:
                 m.eval()
 
 
+def require_lm_head(model: PreTrainedModel, loading_info: dict, key: str, spec: str) -> None:
+    """Refuse a checkpoint whose language-model head transformers had to initialise at random (a reward or value
+    model given as a policy: it would train and sample from noise)."""
+    head = model.get_output_embeddings()
+    names = [n for n, p in model.named_parameters() if head is not None and p is head.weight]
+    if set(names) & set(loading_info.get("missing_keys", ())):
+        raise ModelSetupError(f"{key}={spec} has no weights for the language-model head ({names[0]}): it is not a "
+                              f"causal language model (a reward or value model?)")
+
+
 def vocabulary_misfit(reference: PreTrainedModel, reference_path: str, policy: PreTrainedModel,
                       policy_path: str) -> str | None:
     """Why `reference` cannot score the policy's tokens (an embedding table of another size; a tokenizer beside it
@@ -257,13 +267,15 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
     # is held in `dtype`, its adapters in float32 (peft's default)
     try:
         with naming_the_model("policy.model_name", cfg.model_name) if base_path != str(saved) else nullcontext():
-            model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype if cfg.lora is not None else
-                                                         torch.float32, trust_remote_code=cfg.trust_remote_code)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                base_path, dtype=dtype if cfg.lora is not None else torch.float32,
+                trust_remote_code=cfg.trust_remote_code, output_loading_info=True)
     except (OSError, ValueError, SafetensorError) as e:
         if base_path != str(saved):
             raise
         raise ResumeError(f"{checkpoint}: its policy cannot be loaded ({type(e).__name__}: {e}){OTHER_CHOICES}") \
             from None
+    require_lm_head(model, info, "policy.model_name", cfg.model_name if base_path != str(saved) else str(saved))
     adapted = None
     if cfg.lora is not None:
         from peft import PeftModel
@@ -296,8 +308,10 @@ def load_models(cfg: PolicyConfig, checkpoint: Path | None, device: torch.device
         ref_key = "policy.reference_model_name" if cfg.reference_model_name else "policy.model_name"
         ref_spec = cfg.reference_model_name or cfg.model_name
         with naming_the_model(ref_key, ref_spec):
-            ref = AutoModelForCausalLM.from_pretrained(resolve_model(ref_spec, key=ref_key), dtype=torch.float32,
-                                                       trust_remote_code=cfg.trust_remote_code)
+            ref, info = AutoModelForCausalLM.from_pretrained(resolve_model(ref_spec, key=ref_key), dtype=torch.float32,
+                                                             trust_remote_code=cfg.trust_remote_code,
+                                                             output_loading_info=True)
+        require_lm_head(ref, info, ref_key, ref_spec)
         ref.eval().requires_grad_(False)
         if cfg.reference_model_name and (why := vocabulary_misfit(ref, resolve_model(ref_spec, key=ref_key), model,
                                                                    base_path)):

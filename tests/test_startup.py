@@ -46,6 +46,9 @@ def test_the_collector_is_off_within_and_back_after_with_what_was_made_frozen():
     ("reward_server", "model=no-such-org/no-such-model", 1, "ModelNotFound: model=no-such-org/no-such-model: "),
     ("reward_server", "tokenizer=no-such-org/no-such-tok", 1, "ModelNotFound: tokenizer=no-such-org/no-such-tok: "),
     ("critic_server", "reward_model=no-such-org/no-such-rm", 1, "ModelNotFound: reward_model=no-such-org/no-such-rm: "),
+    # a reward model as the policy: transformers would fill its language-model head with noise
+    ("actor", "policy.model_name=embedded:reward", 1,
+     "error: policy.model_name=embedded:reward has no weights for the language-model head (lm_head.weight)"),
 ])
 def test_a_device_or_model_that_is_not_there_is_refused_at_start_naming_the_key(module, setting, code, words, tmp_path):
     """A device that is no torch device is a config error; a GPU torch does not see here (a CPU-only build, none
