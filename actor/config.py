@@ -186,6 +186,14 @@ class AdvEstimatorConfig(StrictModel):
     )
     reward_weights: list[float] | None = Field(None, description="gdpo: one weight per component; null: 1 each.")
 
+    @model_validator(mode="after")
+    def _clip_range(self) -> AdvEstimatorConfig:
+        low, high = self.advantage_clip_low, self.advantage_clip_high
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"ppo.adv_estimator.advantage_clip_low ({low}) must not exceed "
+                             f"ppo.adv_estimator.advantage_clip_high ({high})")
+        return self
+
 
 class RewardScalingConfig(StrictModel):
     enabled: bool = Field(False, description="Clamp rewards (and every component) to [source_min, source_max] and map them linearly to [target_min, target_max].")
@@ -278,6 +286,14 @@ class LossConfig(StrictModel):
     )
     truncated_importance_sampling_ratio: float = Field(2.0, gt=0, description="Upper bound of the importance weight.")
     truncated_importance_sampling_ratio_min: float = Field(0.0, ge=0, description="Lower bound of the importance weight.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LossConfig:
+        if self.truncated_importance_sampling_ratio_min > self.truncated_importance_sampling_ratio:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min "
+                             f"({self.truncated_importance_sampling_ratio_min}) must not exceed "
+                             f"loss_fn.truncated_importance_sampling_ratio ({self.truncated_importance_sampling_ratio})")
+        return self
 
 
 class ValueLossConfig(StrictModel):
@@ -424,6 +440,12 @@ class ActorConfig(StrictModel):
         p, est, kl = self.ppo, self.ppo.adv_estimator, self.ppo.kl_controller
         name = f"ppo.adv_estimator.name={est.name}"
         loss_kl = self.loss_fn.reference_policy_kl_penalty
+        shaping = p.reward_shaping
+        longest = shaping.max_response_length or self.policy.generation.max_new_tokens
+        if shaping.enabled and shaping.overlong_buffer_length > longest:
+            raise ValueError(f"ppo.reward_shaping.overlong_buffer_length ({shaping.overlong_buffer_length}) is longer "
+                             f"than the response may be ({longest}: ppo.reward_shaping.max_response_length, else "
+                             f"policy.generation.max_new_tokens), so every response would be penalised")
         if kl.init_kl_coef > 0 and loss_kl > 0:
             raise ValueError("KL in the reward and in the loss: set ppo.kl_controller.init_kl_coef "
                              f"({kl.init_kl_coef}) or loss_fn.reference_policy_kl_penalty ({loss_kl}) to 0")

@@ -259,6 +259,14 @@ def test_labels_travel_with_prompts_and_missing_ones_name_the_line(tmp_path, tok
         (["reward.source=openrlhf"], ["reward.source=openrlhf", "reward.url"]),
         (["loss_fn.truncated_importance_sampling_type=tis"],
          ["loss_fn.truncated_importance_sampling_type", "loss_fn.use_importance_sampling_correction"]),
+        (["loss_fn.truncated_importance_sampling_ratio_min=3", "loss_fn.truncated_importance_sampling_ratio=2"],
+         ["loss_fn.truncated_importance_sampling_ratio_min (3.0)", "loss_fn.truncated_importance_sampling_ratio (2.0)"]),
+        (["ppo.adv_estimator.advantage_clip_low=1", "ppo.adv_estimator.advantage_clip_high=-1"],
+         ["ppo.adv_estimator.advantage_clip_low (1.0)", "ppo.adv_estimator.advantage_clip_high (-1.0)"]),
+        (["ppo.reward_shaping.enabled=true", "ppo.reward_shaping.overlong_buffer_length=100",
+          "policy.generation.max_new_tokens=16"],
+         ["ppo.reward_shaping.overlong_buffer_length (100)", "policy.generation.max_new_tokens"]),
+        (["policy.optimizer.kwargs.lr=inf"], ["policy.optimizer.kwargs.lr", "finite"]),
     ],
 )
 def test_contradictory_settings_are_refused_naming_both_keys(overrides, keys):
