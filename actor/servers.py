@@ -20,7 +20,7 @@ from .clients import (
     check_compatible,
 )
 from .config import ActorConfig
-from .data import Prompt, require_labels
+from .data import DataError, Prompt, require_labels
 from .rollouts import ScoreFn, chat_scorer, text_scorer, token_scorer
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,15 @@ class Servers:
         """Check every server this run uses and build the reward request: token ids to a server that shares the
         policy's tokenizer, decoded texts otherwise (reward.input), or None when the critic serves rewards."""
         cfg = self.cfg
-        longest = max(len(p.ids) for p in self.train_prompts + self.val_prompts)
+        widest = max(self.train_prompts + self.val_prompts, key=lambda p: len(p.ids))
+        longest = len(widest.ids)
         needed = longest + cfg.policy.generation.max_new_tokens
         why = f"the longest prompt ({longest} tokens) + policy.generation.max_new_tokens ({cfg.policy.generation.max_new_tokens})"
         if policy_max_length < needed:
-            raise SystemExit(f"the policy accepts at most {policy_max_length} tokens, but {why} need {needed}")
+            raise DataError(f"{widest.where}: the prompt has {longest} tokens, and with policy.generation."
+                            f"max_new_tokens ({cfg.policy.generation.max_new_tokens}) a sample needs {needed}, more than "
+                            f"the policy accepts ({policy_max_length}); shorten the prompt, lower max_new_tokens, or "
+                            f"set data.max_input_seq_length to refuse such prompts line by line")
         sha, vocab = vocab_sha256(self.tokenizer), self.token_ids
         critic_info = self.critic.info() if self.critic is not None else None
         if critic_info is not None:

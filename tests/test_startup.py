@@ -165,3 +165,17 @@ def test_help_names_the_command_and_an_override_that_exists(module):
     check = subprocess.run([sys.executable, "-m", module, "--http-port", "0", "num_threads=abc"], cwd=ROOT,
                            check=False, capture_output=True, text=True, timeout=60)
     assert check.returncode == 2 and "num_threads" in check.stderr and "unknown key" not in check.stderr
+
+
+def test_a_prompt_too_long_for_the_policy_with_its_response_is_named_by_file_and_line(tmp_path):
+    """The embedded policy takes 64 positions: a 60-token prompt (under data.max_input_seq_length) leaves no room
+    for 16 new tokens. The actor names the prompt's file and line before it waits for any server."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "river =>"}\n{"prompt": "' + " ".join(["river"] * 60) + '"}\n')
+    done = subprocess.run([sys.executable, "-m", "actor", "--http-port", "0", f"run_dir={tmp_path / 'run'}",
+                           f"data.train_file={prompts}", f"data.val_file={prompts}", "data.max_input_seq_length=100",
+                           "policy.generation.max_new_tokens=16"],
+                          cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert (f"error: {prompts}:2: the prompt has 60 tokens, and with policy.generation.max_new_tokens (16) a sample "
+            f"needs 76, more than the policy accepts (64)") in done.stderr, done.stderr[-2000:]
