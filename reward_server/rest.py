@@ -55,6 +55,7 @@ class GetRewardResponse(BaseModel):
 
 def add_reward_routes(service: RewardService) -> None:
     metrics = service.metrics
+    metrics.requests.labels("get_reward", grpc.StatusCode.OK.name)  # at 0 from the start, as every gRPC method
 
     @service.app.post("/get_reward", response_model=GetRewardResponse)
     async def get_reward(body: GetRewardRequest):

@@ -53,6 +53,8 @@ def add_parsing_service(server: grpc.aio.Server, servicer: object, service: Serv
     package = package or service.file.package
     handlers = {}
     for method in service.methods:
+        if metrics is not None:  # a series per method from the start, at 0: an alert tells "idle" from "not scraped"
+            metrics.requests.labels(method.name, grpc.StatusCode.OK.name)
         parse = _parser(method, package, metrics)
         behavior = getattr(servicer, method.name)
         if method.client_streaming and method.server_streaming:

@@ -771,6 +771,10 @@ def test_a_math_answer_server_scores_gsm8k_style_answers_over_openrlhf_s_protoco
              (" The total is \\boxed{72}.", 72, 1.0), (" It is 70, no, 71", 72, 0.0), (" 72.0", "72", 1.0)]
     with ServiceProcess("reward", "--scorer", "math_answer", log_dir=log_dir,
                         env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
+        # every method's series is there from the start, at 0, so an alert can tell idle from unscraped
+        fresh = httpx.get(f"{server.http}/metrics", timeout=10).text
+        for method in ("Score", "GetInfo", "get_reward"):
+            assert f'ppo_reward_requests_total{{code="OK",method="{method}"}} 0.0' in fresh, method
         out = openrlhf_rewards(f"{server.http}/get_reward", [prompt + r for r, _, _ in cases], [prompt] * len(cases),
                                [label for _, label, _ in cases])
     assert out["rewards"] == [reward for _, _, reward in cases]
