@@ -84,6 +84,20 @@ def format_validation_error(model: type[BaseModel], err: ValidationError, source
     return "\n".join(lines)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (which would silently keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in this mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(model: type[Cfg], path: str | Path | None = None, overrides: list[str] | None = None) -> Cfg:
     """Read YAML `path` (optional), apply dotted overrides, validate into `model`."""
     data: dict[str, Any] = {}
@@ -93,7 +107,7 @@ def load_config(model: type[Cfg], path: str | Path | None = None, overrides: lis
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):

@@ -348,3 +348,12 @@ def test_a_grpo_section_takes_ppo_overrides_and_a_ppo_section_grpo_ones(tmp_path
     both.write_text("ppo:\n  max_num_steps: 30\ngrpo:\n  max_num_steps: 3\n")
     with pytest.raises(ConfigError, match="ppo and grpo name the same section"):
         load_config(ActorConfig, both)
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_with_its_line(tmp_path):
+    """YAML would keep the second silently; the user meant one of them."""
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  max_num_steps: 3\n  max_num_steps: 4\n")
+    with pytest.raises(ConfigError, match="key 'max_num_steps' is given twice in this mapping") as err:
+        load_config(ActorConfig, path)
+    assert "line 3" in str(err.value) and str(path) in str(err.value)
