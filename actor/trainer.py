@@ -384,6 +384,10 @@ class PPOTrainer:
         })
         if critic is not None:
             self.servers.critic_at(critic)
+            if critic.metrics.get("skipped_steps"):
+                log.warning("step %d: the critic skipped %d of its optimizer steps, whose loss or gradient was not "
+                            "finite (returns too large for its value head?); its weights are as before them", step,
+                            int(critic.metrics["skipped_steps"]))
             metrics.update({"critic/loss": critic.loss, "critic/train_step": float(critic.train_step),
                             "critic/restarts": float(self.servers.critic_restarts),
                             **{f"critic/{k}": v for k, v in critic.metrics.items() if k != "train_seconds"}})
