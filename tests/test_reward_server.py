@@ -386,7 +386,7 @@ def test_random_bytes_get_an_error_and_leave_the_server_serving(server, stub, to
 
 def test_ops_endpoints(server, stub, tokenizer):
     stub.Score(token_request(tokenizer, make_samples(seed=4, n=1)))  # one good and one bad call of its own
-    assert httpx.post(f"{server.http}/get_reward", json={"query": []}, timeout=30).status_code == 422
+    assert httpx.post(f"{server.http}/get_reward", json={"query": "one"}, timeout=30).status_code == 422
     assert httpx.get(f"{server.http}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.http}/ready").status_code == 200
     metrics = httpx.get(f"{server.http}/metrics").text
