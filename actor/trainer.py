@@ -66,7 +66,7 @@ from .tracking import MetricsTracker, Timers, step_breakdown
 
 log = logging.getLogger(__name__)
 
-# failures that end a run after its last finished step is checkpointed, as the log names them
+
 class StopNow(BaseException):
     """A second SIGTERM or SIGINT: the run stops where it is (a BaseException, so no handler on the way keeps it).
     `exit_code`: 128 + the signal's number, as a shell reports a process the signal ended."""
@@ -76,6 +76,7 @@ class StopNow(BaseException):
         self.exit_code = exit_code
 
 
+# failures that end a run after its last finished step is checkpointed, as the log names them
 RUN_ENDING_FAILURES = {RemoteError: "a server is unavailable",
                        RolloutWorkerError: "the generation worker failed", BadEnvironment: "the environment failed"}
 STOPS_THE_RUN = tuple(RUN_ENDING_FAILURES)
