@@ -73,6 +73,13 @@ class CriticConfig(ServerConfig):
         "multiple of N optimizer steps, and once more on SIGTERM after in-flight work drained (if it trained since the "
         "last save). keep_last applies as to Save. 0 disables both; only Save writes checkpoints.",
     )
+    autosave_keep: int = Field(
+        0,
+        ge=0,
+        description="Autosaves to keep: 0 leaves them to keep_last; N > 0 keeps the N most recent autosave-* "
+        "checkpoints and deletes older autosaves after each autosave, never another tag (the actor's "
+        "<run_id>-step_N checkpoints stay), so autosave_every=1 bounds the disk without keep_last.",
+    )
     resume: Literal["latest", "never"] = Field(
         "latest",
         description="At start, `latest` loads the newest checkpoint this server wrote in checkpoint_dir (one whose "

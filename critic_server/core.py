@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch): ASCII only, no '/'
 TAG_RULE = "1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
 TMP_PREFIX = ".tmp-"  # cannot collide with a tag, which never starts with '.'
+AUTOSAVE_PREFIX = "autosave-"  # the tags the critic gives its own checkpoints (autosave_every)
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
 MAX_EPOCHS = 64  # passes over one Train's batch
@@ -304,7 +305,7 @@ class CriticCore:
         every = self.cfg.autosave_every
         if every > 0 and step // every > step_before // every:
             try:
-                path, _ = self.save(f"autosave-{step}")
+                path, _ = self.save(f"{AUTOSAVE_PREFIX}{step}")
                 log.info("autosaved %s", path)
             except Exception:  # the Train is applied either way; the next autosave or the exit save retries
                 log.exception("autosave at train step %d failed", step)
@@ -315,7 +316,7 @@ class CriticCore:
         returns the path written, or None."""
         if self.cfg.autosave_every <= 0 or not self.unsaved:
             return None
-        path, _ = self.save(f"autosave-{self.train_step}")
+        path, _ = self.save(f"{AUTOSAVE_PREFIX}{self.train_step}")
         return path
 
     def train(self, batch: TrainInput) -> tuple[float, dict[str, float], int]:
@@ -429,6 +430,8 @@ class CriticCore:
         self.unsaved = False
         if self.cfg.keep_last > 0:
             prune_checkpoints(root, self.cfg.keep_last, final, started)
+        if tag.startswith(AUTOSAVE_PREFIX) and self.cfg.autosave_keep > 0:
+            prune_checkpoints(root, self.cfg.autosave_keep, final, started, prefix=AUTOSAVE_PREFIX)
         return str(final.resolve()), self.train_step
 
     def restore(self, tag: str) -> tuple[str, int]:
@@ -466,11 +469,11 @@ def checkpoint_path(root: Path, tag: str) -> Path:
     return final
 
 
-def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float) -> None:
-    """Delete this server's checkpoints in root beyond the keep_last most recently written (by the saved_at
-    recorded in their critic_state.json; `current` is always kept), and temp directories left by Saves that
-    started before `started`. Directories without a readable critic_state.json are never touched. A failure
-    to delete is logged, not raised: the checkpoint just written is complete."""
+def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float, prefix: str = "") -> None:
+    """Delete this server's checkpoints in root whose names start with `prefix` beyond the keep_last most recently
+    written (by the saved_at recorded in their critic_state.json; `current` is always kept), and temp directories
+    left by Saves that started before `started`. Directories without a readable critic_state.json are never touched.
+    A failure to delete is logged, not raised: the checkpoint just written is complete."""
     ours: list[tuple[float, str, Path]] = []
     stale: list[Path] = []
     for entry in root.iterdir():
@@ -479,13 +482,13 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float)
         if entry.name.startswith(TMP_PREFIX):
             if entry.stat().st_mtime < started:
                 stale.append(entry)
-        elif entry != current and (saved_at := _saved_at(entry)) is not None:
+        elif entry != current and entry.name.startswith(prefix) and (saved_at := _saved_at(entry)) is not None:
             ours.append((saved_at, entry.name, entry))
     ours.sort(reverse=True)
     for path in stale + [p for _, _, p in ours[keep_last - 1:]]:
         try:
             shutil.rmtree(path)
-            log.info("removed %s (keep_last=%d)", path, keep_last)
+            log.info("removed %s (%s=%d)", path, "autosave_keep" if prefix else "keep_last", keep_last)
         except OSError as e:
             log.warning("could not remove old checkpoint %s: %s", path, e)
 

@@ -289,6 +289,23 @@ def test_keep_last_keeps_the_newest_checkpoints_and_nothing_it_did_not_write(emb
     assert [s["train_step"] for s in states] == [3, 4] and states[0]["saved_at"] < states[1]["saved_at"]
 
 
+def test_autosave_keep_bounds_the_autosaves_and_leaves_every_other_checkpoint(embedded_cache, log_dir, tmp_path):
+    """autosave_every=1 with keep_last would delete the actor's <run_id>-step_N checkpoints too; autosave_keep
+    prunes autosave-* alone."""
+    ckpt = tmp_path / "ckpt"
+    with ServiceProcess("critic", "--checkpoint-dir", str(ckpt), "autosave_every=1", "autosave_keep=2",
+                        log_dir=log_dir) as proc:
+        ch = channel(proc.address)
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        tokens, _ = batch(16)
+        stub.Train(train_request(tokens, 1.0), timeout=120)
+        stub.Save(critic_pb2.SaveRequest(tag="run-a-step_1"), timeout=120)
+        for _ in range(3):
+            stub.Train(train_request(tokens, 1.0), timeout=120)
+        ch.close()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["autosave-3", "autosave-4", "run-a-step_1"]
+
+
 def test_an_optimizer_state_that_needs_pickle_stops_the_critic_with_the_file_named(stub, tmp_path):
     saved = Path(stub.Save(critic_pb2.SaveRequest(tag="to-tamper"), timeout=120).path)
     tampered = tmp_path / "tampered"
