@@ -71,9 +71,9 @@ def add_reward_routes(service: RewardService) -> None:
             if not body.query and not body.prompts and not labels:  # an empty slice of a batch
                 return GetRewardResponse(rewards=[], scores=[], extra_logs={})
             strip = unpadded(service.core.tokenizer)
-            inp = service.core.validate(texts=[strip(q) for q in body.query],
-                                        prompts=[strip(p, start_only=True) for p in body.prompts or []] or None,
-                                        labels=labels, texts_field="query")
+            inp = await service.validated(texts=[strip(q) for q in body.query],
+                                          prompts=[strip(p, start_only=True) for p in body.prompts or []] or None,
+                                          labels=labels, texts_field="query")
             rewards, components = await worker.run_batched("Score", inp.rows, inp, service.core.score_batch)
             values = rewards.tolist()
             return GetRewardResponse(rewards=values, scores=values,
