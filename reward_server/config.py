@@ -46,6 +46,13 @@ class RewardConfig(ServerConfig):
         description="Tokenizer (path, hub id or embedded:<name>) that decodes token ids for rule scorers and "
         "tokenizes texts for the learned model. Default: the model's own; embedded:policy's with `scorer`.",
     )
+    long_texts: Literal["refuse", "truncate"] = Field(
+        "refuse",
+        description="A text or rendered conversation longer than the model's max length: refuse it "
+        "(INVALID_ARGUMENT, or 400 on /get_reward, naming it), or truncate it to its first max-length tokens and score "
+        "that, as OpenRLHF's reward server does (its trainer fails a whole batch on a 400), counting each in "
+        "ppo_reward_truncated_texts_total. Token ids are never truncated.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
     normalize_reward: bool | None = Field(
         None,

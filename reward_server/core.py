@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,11 @@ ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class RewardCore:
-    def __init__(self, cfg: RewardConfig, observe_pass: PassObserver = no_observer):
+    def __init__(self, cfg: RewardConfig, observe_pass: PassObserver = no_observer,
+                 on_truncated: Callable[[int], None] = lambda n: None):
         self.cfg = cfg
         self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
+        self.on_truncated = on_truncated  # how many texts a request had cut to the max length (long_texts=truncate)
         self.device = resolve_device(cfg.device)
         self.model = None
         self.packing: KeptPacking | None = None  # Score's passes through prepacked weights (load() decides)
@@ -286,6 +289,10 @@ class RewardCore:
         return self._pad_checked(ids, field)
 
     def _pad_checked(self, ids: list[list[int]], field: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.long_texts == "truncate" and (cut := [i for i, row in enumerate(ids) if len(row) > self.max_length]):
+            ids = [row[:self.max_length] for row in ids]
+            self.on_truncated(len(cut))
+            log.debug("%s%s truncated to the model's max length %d (long_texts=truncate)", field, cut, self.max_length)
         for i, row in enumerate(ids):
             if not row:
                 raise InvalidArgument(f"{field}[{i}]: has no tokens")

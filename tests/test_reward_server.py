@@ -32,11 +32,12 @@ from serving.modeling import (
     load_tokenizer,
     per_token_scores,
     reward_normalization,
+    text_ids,
     vocab_sha256,
 )
 from serving.wire import grpc_options
 from tests.conftest import OPENRLHF_MEAN, OPENRLHF_STD
-from tests.grpc_helpers import expect_invalid
+from tests.grpc_helpers import channel, expect_invalid
 from tests.service_procs import ROOT, ServiceProcess, histogram_stats
 
 SCORE = "/ppo_services.v1.RewardService/Score"
@@ -263,6 +264,22 @@ def test_get_reward_scores_openrlhf_s_padded_queries_as_the_unpadded_ones(server
                             [])["rewards"] == pytest.approx(with_eos, abs=1e-6)
     assert openrlhf_rewards(f"{server.http}/get_reward", [], [], []) == {"rewards": [], "scores": [],
                                                                           "extra_logs": {}}
+
+
+def test_long_texts_truncate_scores_the_first_max_length_tokens_as_openrlhf_s_server(embedded_cache, log_dir,
+                                                                                      tokenizer):
+    """By default a text past the model's max length is refused naming it (a 400 on /get_reward); with
+    long_texts=truncate it is cut to its first max-length tokens and scored, as OpenRLHF's server does, and
+    counted."""
+    long = " ".join(["good"] * 100)
+    cut = tokenizer.decode(text_ids(tokenizer, [long], ending=True)[0][:64])
+    with ServiceProcess("reward", "long_texts=truncate", log_dir=log_dir) as server, channel(server.address) as ch:
+        stub = reward_pb2_grpc.RewardServiceStub(ch)
+        out = openrlhf_rewards(f"{server.http}/get_reward", [long, "good day"], [], [])
+        expected = decode(stub.Score(reward_pb2.ScoreRequest(texts=[cut, "good day"])).rewards, "r").tolist()
+        assert out["rewards"] == pytest.approx(expected, abs=1e-6)
+        metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
+    assert "ppo_reward_truncated_texts_total 1.0" in metrics
 
 
 def _requests_with_errors(tokenizer) -> list[tuple[str, reward_pb2.ScoreRequest, str]]:
