@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import tempfile
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args
 
@@ -90,7 +91,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, whose keys the mapping's own may override
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # the base loader refuses it, naming its line
+                continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in this mapping",
                                                         key_node.start_mark)

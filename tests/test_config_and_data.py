@@ -357,3 +357,10 @@ def test_a_key_given_twice_in_a_config_file_is_refused_with_its_line(tmp_path):
     with pytest.raises(ConfigError, match="key 'max_num_steps' is given twice in this mapping") as err:
         load_config(ActorConfig, path)
     assert "line 3" in str(err.value) and str(path) in str(err.value)
+    import yaml
+
+    from serving.config import _UniqueKeyLoader
+
+    # a merge key's mapping may be overridden by the mapping's own keys, as YAML intends
+    merged = yaml.load("a: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n", Loader=_UniqueKeyLoader)
+    assert merged == {"a": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2}}
