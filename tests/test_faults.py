@@ -19,6 +19,11 @@ RUN = ["ppo.num_prompts_per_step=8", "ppo.num_generations_per_prompt=4", "policy
        "ppo.val_period=0", "policy.generation.max_new_tokens=8"]
 
 
+# a small PPO run (critic and reward server), for the tests that start `configs/ppo.yaml`
+PPO_RUN = ("ppo.num_prompts_per_step=8", "policy.generation_batch_size=8", "policy.train_global_batch_size=8",
+           "policy.train_micro_batch_size=8", "ppo.val_period=0", "logger.num_val_samples_to_print=0")
+
+
 @pytest.fixture(scope="module")
 def reward(embedded_cache, log_dir):
     """The embedded reward server, for the tests that stop or kill something else."""
@@ -86,19 +91,16 @@ def test_a_server_away_longer_than_the_bound_ends_the_run_with_a_checkpoint(embe
     assert meta["step"] == done
 
 
-def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on(reward, log_dir, tmp_path):
-    """The critic checkpoints itself after every train step (autosave_every=1) and resumes the latest at start;
-    the actor retries the Train in flight (same request id: applied once), notices the restart and goes on. No
-    critic step is lost or applied twice: the critic's train step equals the PPO step throughout."""
+def run_with_the_critic_killed(reward, log_dir, tmp_path, steps: int, *critic_args: str) -> tuple[str, list[dict]]:
+    """A PPO run of `steps` steps whose critic (started with `critic_args`) is SIGKILLed after step 3 and started
+    again on the same ports with the same arguments; the actor must end with exit 0. Returns its output and its
+    metrics rows."""
     grpc_port, http_port = free_port(), free_port()
-    ckpt = tmp_path / "critic-ckpt"
-    args = ("--checkpoint-dir", str(ckpt), "autosave_every=1")
+    args = ("--checkpoint-dir", str(tmp_path / "critic-ckpt"), *critic_args)
     first = ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
     run_dir = tmp_path / "run"
     cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={first.address}",
-                        "ppo.max_num_steps=12", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
-                        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
-                        "checkpointing.enabled=false", "logger.num_val_samples_to_print=0")
+                        f"ppo.max_num_steps={steps}", *PPO_RUN, "checkpointing.enabled=false")
     actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(run_dir, 3, actor)
@@ -110,7 +112,14 @@ def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on
         if actor.poll() is None:
             actor.kill()
     assert actor.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return out, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_critic_killed_mid_run_resumes_from_its_checkpoint_and_the_run_goes_on(reward, log_dir, tmp_path):
+    """The critic checkpoints itself after every train step (autosave_every=1) and resumes the latest at start;
+    the actor retries the Train in flight (same request id: applied once), notices the restart and goes on. No
+    critic step is lost or applied twice: the critic's train step equals the PPO step throughout."""
+    out, rows = run_with_the_critic_killed(reward, log_dir, tmp_path, 12, "autosave_every=1")
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert [r["critic/train_step"] for r in rows] == [float(r["step"]) for r in rows]
     assert rows[-1]["critic/restarts"] == 1.0
@@ -122,26 +131,7 @@ def test_a_critic_that_restarts_from_scratch_is_reported_with_the_steps_it_lost(
     lands on the new process before the step ends; the reply names that process, so the actor counts the restart
     once and reports every step the old process had taken as lost (it counted them against the new process's own
     step before, and said 0 were lost)."""
-    grpc_port, http_port = free_port(), free_port()
-    args = ("--checkpoint-dir", str(tmp_path / "critic-ckpt"))
-    first = ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
-    run_dir = tmp_path / "run"
-    cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={first.address}",
-                        "ppo.max_num_steps=8", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
-                        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
-                        "checkpointing.enabled=false", "logger.num_val_samples_to_print=0")
-    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_steps(run_dir, 3, actor)
-        first.proc.kill()
-        first.proc.wait()
-        with ServiceProcess("critic", *args, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
-            out, _ = actor.communicate(timeout=300)
-    finally:
-        if actor.poll() is None:
-            actor.kill()
-    assert actor.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out, rows = run_with_the_critic_killed(reward, log_dir, tmp_path, 8)
     assert rows[-1]["critic/restarts"] == 1.0
     last_old = max(r["critic/train_step"] for r in rows if r["critic/restarts"] == 0)
     lost = re.findall(r"it resumed at train step (\d+), the last reply was at (\d+), so (\d+) critic optimizer steps "
@@ -154,9 +144,7 @@ def _actor_with_its_own_servers(log_dir, tmp_path, http_port: int):
     reward = ServiceProcess("reward", log_dir=log_dir).start()
     run_dir = tmp_path / "run"
     cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={critic.address}",
-                        "ppo.max_num_steps=500", "ppo.num_prompts_per_step=8", "policy.generation_batch_size=8",
-                        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "ppo.val_period=0",
-                        "logger.num_val_samples_to_print=0", http_port=http_port)
+                        "ppo.max_num_steps=500", *PPO_RUN, http_port=http_port)
     actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return critic, reward, actor, run_dir
 
@@ -205,9 +193,7 @@ def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(r
     """SIGKILL the actor mid-run and start the same command again: it resumes from its latest checkpoint (policy,
     optimizer, data position, random states, KL coefficient; the critic returns to its checkpoint of that step),
     and every step's metrics equal those of a run that was never interrupted."""
-    overrides = ["ppo.max_num_steps=12", "checkpointing.save_period=4", "ppo.num_prompts_per_step=8",
-                 "policy.generation_batch_size=8", "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
-                 "ppo.val_period=0", "logger.num_val_samples_to_print=0", "ppo.kl_controller.type=adaptive"]
+    overrides = ["ppo.max_num_steps=12", "checkpointing.save_period=4", *PPO_RUN, "ppo.kl_controller.type=adaptive"]
 
     def command(run_dir, critic, reward) -> list[str]:
         return actor_command("ppo", run_dir, f"critic.address={critic.address}", f"reward.address={reward.address}",
