@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import torch
 
-from .config import CheckpointingConfig
+from .config import CheckpointingConfig, RemoteConfig
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ OTHER_CHOICES = ("; resume from an earlier checkpoint (checkpointing.resume=<run
 
 # Settings a resumed run may change without changing what it computes: where and how long it runs, what it logs
 # and keeps, its servers' addresses and its thread budget
-_REMOTE = ("address", "url", "connect_timeout_s", "timeout_s", "max_message_mb", "outage_timeout_s", "tls_", "retries")
+_REMOTE = (*RemoteConfig.model_fields, "url", "retries")  # how to reach a server (OpenRLHF's endpoint too)
 _FREE_TO_CHANGE = ("run_dir", "host", "http_port", "auth_token_file", "num_threads", "logger.", "checkpointing.",
                    *(f"{server}.{key}" for server in ("critic", "reward") for key in _REMOTE),
                    "ppo.max_num_steps", "ppo.max_num_epochs", "ppo.val_period", "ppo.val_at_start", "ppo.val_at_end",
@@ -118,10 +118,11 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
 
+    if not saved:  # a checkpoint that predates saving its config
+        return []
     a, b = flat(saved), flat(now)
-    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)
-                  and not (k.startswith(_FREE_TO_CHANGE) or k in _FREE_TO_CHANGE))
-    return [f"{k} (was {a.get(k)!r}, now {b.get(k)!r})" for k in keys] if saved else []
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not k.startswith(_FREE_TO_CHANGE))
+    return [f"{k} (was {a.get(k)!r}, now {b.get(k)!r})" for k in keys]
 
 
 def write_state(directory: Path, state: dict[str, Any], optimizer: dict, rng: dict[str, Any]) -> None:

@@ -31,12 +31,12 @@ class Servers:
     `score`, the reward request of every generation batch."""
 
     def __init__(self, cfg: ActorConfig, tokenizer: PreTrainedTokenizerBase, policy_max_length: int,
-                 train_prompts: list[Prompt], val_prompts: list[Prompt], token_ids: int | None = None):
-        """`token_ids`: how many ids the run can send (the tokenizer's, bounded by the policy's embedding rows and
-        head: a pad token added to a tokenizer without resizing the model is never sent); the servers' models must
-        embed that many."""
+                 train_prompts: list[Prompt], val_prompts: list[Prompt], token_ids: int):
+        """`token_ids`: how many ids the run can send (the tokenizer's, bounded by the policy's embedding rows: a pad
+        token added to a tokenizer without resizing the model is never sent); the servers' models must embed that
+        many."""
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.token_ids = token_ids if token_ids is not None else len(tokenizer)
+        self.token_ids = token_ids
         self.train_prompts, self.val_prompts = train_prompts, val_prompts
         self.token = load_token(cfg.auth_token_file, "auth_token_file")
         self.critic: CriticClient | None = None

@@ -21,12 +21,12 @@ from pathlib import Path
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from google.protobuf import descriptor_pool
 from pydantic import Field
 from starlette.routing import Match
 
 from .config import StrictModel
 from .metrics import ServiceMetrics
+from .wire import is_known_method
 
 TOKEN_ENV = "PPO_SERVICES_AUTH_TOKEN"
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1.ServerReflection/",
@@ -126,16 +126,6 @@ def server_credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:
                                        require_client_auth=client_ca is not None)
 
 
-def is_known_method(path: str) -> bool:
-    """Whether the gRPC method path `/package.Service/Method` is one of the protos this process imported."""
-    service, _, method = path.strip("/").partition("/")
-    try:
-        descriptor_pool.Default().FindMethodByName(f"{service}.{method}")
-    except KeyError:
-        return False
-    return True
-
-
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Every method outside health and reflection needs the bearer token."""
 
@@ -143,7 +133,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.token, self.metrics = token, metrics
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
-        if details.method.startswith(OPEN_GRPC_PREFIXES) or not is_known_method(details.method):
+        if details.method.startswith(OPEN_GRPC_PREFIXES) or not is_known_method(
+                details.method.strip("/").replace("/", ".")):  # `/package.Service/Method`
             return await continuation(details)  # a method no service has is UNIMPLEMENTED, token or not
         headers = [v for k, v in details.invocation_metadata or () if k == "authorization"]
         if len(headers) == 1 and isinstance(headers[0], str) and bearer_matches(headers[0], self.token):

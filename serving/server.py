@@ -44,7 +44,7 @@ from .security import (
     server_credentials,
 )
 from .server_config import ServerConfig
-from .wire import add_parsing_service, grpc_options, receive_limit_bytes
+from .wire import add_parsing_service, grpc_options, is_known_method, receive_limit_bytes
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +123,11 @@ class DocumentedReflectionServicer(reflection.aio.ReflectionServicer):
 
 
 def _is_method_or_enum_value(name: str) -> bool:
-    pool = descriptor_pool.Default()
+    if is_known_method(name):
+        return True
     parent, _, last = name.rpartition(".")
     try:
-        pool.FindMethodByName(name)
-        return True
-    except KeyError:
-        pass
-    try:
-        return last in pool.FindEnumTypeByName(parent).values_by_name
+        return last in descriptor_pool.Default().FindEnumTypeByName(parent).values_by_name
     except KeyError:
         return False
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
@@ -35,6 +36,15 @@ def receive_limit_bytes(max_message_mb: int, max_request_rows: int, max_length: 
     if max_length is None:
         return cap
     return min(cap, max(GRPC_DEFAULT_LIMIT, HEADROOM * max_request_rows * max_length * BYTES_PER_TOKEN + FIXED_BYTES))
+
+
+def is_known_method(full_name: str) -> bool:
+    """Whether `package.Service.Method` is a method of the protos this process imported."""
+    try:
+        descriptor_pool.Default().FindMethodByName(full_name)
+    except KeyError:
+        return False
+    return True
 
 
 def grpc_options(max_message_mb: int, receive_limit: int | None = None) -> list[tuple[str, int]]:
