@@ -54,11 +54,17 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", int(RETRY_FIRST_S * 1
 draining = threading.Event()
 DRAIN_OUTAGE_S = 10.0
 
+# The codes that mean "the server is not there (now)": UNAVAILABLE (unreachable, restarting, loading, draining) and
+# CANCELLED, which a server that is shutting down gives the calls that reached it in its last instant (gRPC
+# cancels the calls it has not handed to a handler). The actor never cancels its own calls, so a CANCELLED is
+# always the server's, and an idempotent call is safe to start again.
+OUTAGE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
 
 class Pending(Generic[T]):
     """A call in flight; result() waits for it and converts the reply. A call started by `start` (an idempotent
-    gRPC call) is started again, with exponential backoff, while the server answers UNAVAILABLE (restarting,
-    unreachable), for up to `outage_s` seconds; past that, result() raises RemoteError naming the server."""
+    gRPC call) is started again, with exponential backoff, while the server is away (OUTAGE_CODES: restarting,
+    unreachable, shutting down), for up to `outage_s` seconds; past that, result() raises RemoteError naming the server."""
 
     def __init__(self, start: Callable[[], grpc.Future | Future], convert: Callable, what: str,
                  outage_s: float = 0.0, outage_key: str = ""):
@@ -75,7 +81,7 @@ class Pending(Generic[T]):
             try:
                 return self._convert(self._call.result())
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or self._outage_s <= 0:
+                if e.code() not in OUTAGE_CODES or self._outage_s <= 0:
                     raise RemoteError(f"{self._what} failed: {e.code().name}: {e.details()}") from None
                 now = time.monotonic()
                 outage_since = outage_since or now
@@ -137,7 +143,7 @@ def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc
 
 
 _WAIT_LOG_EVERY_S = 5.0
-_RETRY_WHILE_CONNECTING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_RETRY_WHILE_CONNECTING = (*OUTAGE_CODES, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def unreachable_reason(e: grpc.RpcError) -> str:
@@ -156,6 +162,8 @@ def unreachable_reason(e: grpc.RpcError) -> str:
         if "ssl" in low or "tls" in low or "handshake" in low or "certificate" in low:
             return f"the TLS handshake failed ({details})"
         return details or "unavailable"
+    if code == grpc.StatusCode.CANCELLED:
+        return "the call was cancelled by the server as it shut down"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "no answer (a firewall dropping packets, or a server too busy to answer)"
     if code == grpc.StatusCode.UNIMPLEMENTED:

@@ -25,7 +25,7 @@ class RemoteConfig(StrictModel):
     connect_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start-up for the server to answer and to be ready (its model loaded).")
     timeout_s: float = Field(600.0, gt=0, description="Deadline of each call.")
     max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB.")
-    outage_timeout_s: float = Field(300.0, ge=0, description="How long a running job retries (with backoff) a call the server answers UNAVAILABLE (restarting, unreachable) before it checkpoints and exits 1; 0 fails at once.")
+    outage_timeout_s: float = Field(300.0, ge=0, description="How long a running job retries (with backoff) a call the server answers UNAVAILABLE (restarting, unreachable) or CANCELLED (shutting down) before it checkpoints and exits 1; 0 fails at once.")
     tls_ca_file: str | None = Field(None, description="PEM CA bundle: connect over TLS and verify the server's certificate with it.")
     tls_cert_file: str | None = Field(None, description="PEM client certificate for mutual TLS (with tls_key_file).")
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")

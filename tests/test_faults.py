@@ -4,14 +4,23 @@ processes: the servers are SIGKILLed, not mocked."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import pytest
+import torch
 
+from actor.clients import DRAIN_OUTAGE_S, CriticClient, RemoteError
+from actor.config import RemoteConfig
+from ppo_services.v1 import critic_pb2, critic_pb2_grpc
+from serving.codec import decode, encode
 from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 
 RUN = ["ppo.num_prompts_per_step=8", "ppo.num_generations_per_prompt=4", "policy.generation_batch_size=16",
@@ -145,43 +154,169 @@ def _actor_with_its_own_servers(log_dir, tmp_path, http_port: int):
     run_dir = tmp_path / "run"
     cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={critic.address}",
                         "ppo.max_num_steps=500", *PPO_RUN, http_port=http_port)
-    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return critic, reward, actor, run_dir
+    log = tmp_path / "actor.log"
+    with open(log, "wb") as out:
+        actor = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    return critic, reward, actor, run_dir, log
 
 
-@pytest.mark.parametrize("second_signal", [False, True], ids=["drain", "second-sigterm"])
-def test_an_actor_stopped_with_its_servers_ends_within_a_grace_period(embedded_cache, log_dir, tmp_path,
-                                                                      second_signal):
+def _ready_or_gone(http_port: int, actor: subprocess.Popen) -> int | None:
+    """The actor's /ready status, or None when nothing answers any more because the actor is exiting (SIGTERM
+    landed as its step was ending: it checkpoints and goes in well under a second)."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=5).status_code
+    except httpx.TransportError:
+        actor.wait(timeout=30)
+        return None
+
+
+def test_an_actor_stopped_with_its_servers_ends_within_a_grace_period(embedded_cache, log_dir, tmp_path):
     """A pod deletion or `docker compose down` sends SIGTERM to every service at once: the servers drain and exit
-    in a second, and the actor, finishing its step, finds them gone. It answers /ready 503 from the signal on, waits
-    for them at most clients.DRAIN_OUTAGE_S (not outage_timeout_s, 300 s) and keeps its last complete step's
-    checkpoint; a second SIGTERM ends it at once, without a traceback."""
+    in a second, and the actor, finishing its step, finds them gone. It is not ready from the signal on, waits for
+    them at most clients.DRAIN_OUTAGE_S (not outage_timeout_s, 300 s) and keeps its last complete step's
+    checkpoint."""
     http_port = free_port()
-    critic, reward, actor, run_dir = _actor_with_its_own_servers(log_dir, tmp_path, http_port)
+    critic, reward, actor, run_dir, log = _actor_with_its_own_servers(log_dir, tmp_path, http_port)
     try:
         wait_for_steps(run_dir, 1, actor)
         signalled = time.monotonic()
         for proc in (critic.proc, reward.proc, actor):
             proc.send_signal(signal.SIGTERM)
-        assert httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=5).status_code == 503
-        if second_signal:
-            time.sleep(0.5)
-            actor.send_signal(signal.SIGTERM)
-        out, _ = actor.communicate(timeout=60)
+        assert _ready_or_gone(http_port, actor) in (503, None)
+        actor.wait(timeout=60)
         elapsed = time.monotonic() - signalled
     finally:
         for proc in (critic, reward):
             proc.stop()
         if actor.poll() is None:
             actor.kill()
+    out = log.read_text()
     assert "SIGTERM: finishing the step in progress" in out and "Traceback" not in out, out[-3000:]
-    if second_signal:
-        assert actor.returncode == 128 + signal.SIGTERM and "stopped at once by a second SIGTERM" in out, out[-3000:]
-        assert elapsed < 20  # not the drain's wait for the servers
-        return
     assert actor.returncode in (0, 1) and elapsed < 30, (actor.returncode, elapsed, out[-3000:])
     done = len((run_dir / "metrics.jsonl").read_text().splitlines())
     assert json.loads((run_dir / "checkpoints" / f"step_{done}" / "checkpoint.json").read_text())["step"] == done
+
+
+@pytest.mark.parametrize("second_signal", [False, True], ids=["drain", "second-sigterm"])
+def test_an_actor_stopped_while_it_waits_for_its_servers(embedded_cache, log_dir, tmp_path, second_signal):
+    """The servers are gone and the actor is retrying its call (outage_timeout_s would let it wait 300 s) when
+    SIGTERM comes: /ready answers 503 at once, the outage is waited out for at most clients.DRAIN_OUTAGE_S from
+    its start, and the run ends with its last complete step's checkpoint, exit 1 naming the drain; a second
+    SIGTERM ends it at once (exit 128 + 15), without a traceback."""
+    http_port = free_port()
+    critic, reward, actor, run_dir, log = _actor_with_its_own_servers(log_dir, tmp_path, http_port)
+    try:
+        wait_for_steps(run_dir, 1, actor)
+        critic.stop()
+        reward.stop()
+        deadline = time.monotonic() + 120
+        while "the server is unavailable" not in log.read_text():
+            assert actor.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        actor.send_signal(signal.SIGTERM)
+        assert httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=5).status_code == 503
+        if second_signal:
+            actor.send_signal(signal.SIGTERM)
+        actor.wait(timeout=60)
+        elapsed = time.monotonic() - signalled
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    out = log.read_text()
+    assert "SIGTERM: finishing the step in progress" in out and "Traceback" not in out, out[-3000:]
+    if second_signal:
+        assert actor.returncode == 128 + signal.SIGTERM and "stopped at once by a second SIGTERM" in out, out[-3000:]
+        assert elapsed < 5, elapsed  # not the drain's wait for the servers
+        return
+    assert actor.returncode == 1 and "while the actor was stopping (SIGTERM)" in out, out[-3000:]
+    assert elapsed < DRAIN_OUTAGE_S + 5, elapsed
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert json.loads((run_dir / "checkpoints" / f"step_{done}" / "checkpoint.json").read_text())["step"] == done
+
+
+def test_calls_that_meet_a_critic_restart_are_retried_until_they_succeed(embedded_cache, log_dir, caplog):
+    """A critic restarted (SIGTERM, then the same command on the same port) while the actor's calls keep coming:
+    a call that reaches it while it drains gets UNAVAILABLE, and one that reaches it in its last instant gets
+    CANCELLED from gRPC itself (the server cancels what it has not handed to a handler). The actor never cancels
+    its own calls, so its client retries both for an idempotent call: every call returns values."""
+    grpc_port, http_port = free_port(), free_port()
+    client = CriticClient(RemoteConfig(address=f"127.0.0.1:{grpc_port}", outage_timeout_s=120))
+    tokens = torch.randint(3, 50, (4, 32))
+    lengths = torch.full((4,), 32)
+    stop, failures, answered = threading.Event(), [], []
+
+    def keep_calling():
+        while not stop.is_set():
+            try:
+                values, _ = client.infer(tokens, lengths).result()
+                answered.append(values.shape == (4, 32))
+            except Exception as e:  # noqa: BLE001 - what the test looks for
+                failures.append(repr(e))
+
+    server = ServiceProcess("critic", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
+    callers = [threading.Thread(target=keep_calling) for _ in range(3)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="actor.clients"):
+            for t in callers:
+                t.start()
+            for _ in range(2):
+                time.sleep(1.0)
+                assert server.terminate() == 0
+                server = ServiceProcess("critic", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
+            before = len(answered)
+            while len(answered) < before + 10:
+                assert not failures, failures[:3]
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in callers:
+            t.join(timeout=120)
+        server.stop()
+        client.close()
+    assert not failures, failures[:3]
+    assert all(answered)
+    assert "retrying in" in caplog.text  # the restarts were met
+
+
+class _ShuttingDownOnce(critic_pb2_grpc.CriticServiceServicer):
+    """Fault injection: answers its first Infer as a critic in the last instant of its shutdown does (CANCELLED,
+    which on a real restart depends on timing), then as a working one."""
+
+    def __init__(self):
+        self.calls, self.trains = 0, 0
+
+    def Train(self, request, context):
+        self.trains += 1
+        context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+    def Infer(self, request, context):
+        self.calls += 1
+        if self.calls == 1:
+            context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        values = torch.zeros(decode(request.tokens, "tokens").shape, dtype=torch.float32)
+        return critic_pb2.InferResponse(values=encode(values))
+
+
+def test_an_idempotent_call_the_server_cancels_is_retried_and_a_train_without_request_id_is_not(caplog):
+    servicer = _ShuttingDownOnce()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    critic_pb2_grpc.add_CriticServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = CriticClient(RemoteConfig(address=f"127.0.0.1:{port}", outage_timeout_s=30))
+    try:
+        with caplog.at_level(logging.WARNING, logger="actor.clients"):
+            values, _ = client.infer(torch.ones(2, 3, dtype=torch.long), torch.full((2,), 3)).result()
+        assert values.shape == (2, 3) and servicer.calls == 2
+        assert "(the call was cancelled by the server as it shut down); retrying" in caplog.text
+        # a call that is not idempotent (a Train without a request id) is not started twice
+        with pytest.raises(RemoteError, match="Train failed: CANCELLED"):
+            client.train(*(torch.ones(1, 3),) * 5, value_clip=0.2, loss_scale=1.0).result()
+        assert servicer.trains == 1
+    finally:
+        client.close()
+        server.stop(0)
 
 
 def _comparable(row: dict) -> dict:
