@@ -125,10 +125,25 @@ class Mapped(Generic[T]):
         return self._convert(self._parent.result())
 
 
+def keepalive_options(cfg: RemoteConfig) -> list[tuple[str, int]]:
+    """HTTP/2 pings while a call is in flight (none on an idle channel), every `keepalive_s` however long the call
+    sends no data (gRPC stops after two such pings by default): a connection whose pings go unanswered for
+    `keepalive_timeout_s` is closed, and its calls fail UNAVAILABLE and are retried like any outage. So a server that
+    froze, or a network path that silently drops packets (a node lost behind a Kubernetes Service), is found in
+    about keepalive_s + keepalive_timeout_s, not at the call's deadline (`timeout_s`)."""
+    if cfg.keepalive_s <= 0:
+        return []
+    return [("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+            # gRPC waits for a ping's answer for grpc.http2.ping_timeout_ms (1 minute), whatever the keepalive timeout
+            ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 0)]
+
+
 def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
     """A channel to the server (TLS when a CA or client certificate is configured; the bearer token on every
     call). It connects lazily: `wait_for_info` waits for the server and says why it cannot reach it."""
-    options = grpc_options(cfg.max_message_mb) + RECONNECT_OPTIONS
+    options = grpc_options(cfg.max_message_mb) + RECONNECT_OPTIONS + keepalive_options(cfg)
     if cfg.tls_ca_file or cfg.tls_cert_file:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=read_pem(cfg.tls_ca_file, f"{name}.tls_ca_file"),

@@ -26,6 +26,8 @@ class RemoteConfig(StrictModel):
     timeout_s: float = Field(600.0, gt=0, description="Deadline of each call.")
     max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB.")
     outage_timeout_s: float = Field(300.0, ge=0, description="How long a running job retries (with backoff) a call the server answers UNAVAILABLE (restarting, unreachable) or CANCELLED (shutting down) before it checkpoints and exits 1; 0 fails at once.")
+    keepalive_s: float = Field(30.0, ge=0, allow_inf_nan=False, description="While a call is in flight, ping the server (an HTTP/2 ping) after every keepalive_s seconds without an answer's bytes; a ping unanswered within keepalive_timeout_s closes the connection and the call is retried as in an outage, so a server that froze or a network path that silently drops packets (a node lost behind a Kubernetes Service) costs keepalive_s + keepalive_timeout_s, not the call's whole timeout_s. The server must accept pings this often (its min_ping_interval_s, 5 s by default; a server that does not closes the connection with too_many_pings). 0: no pings.")
+    keepalive_timeout_s: float = Field(20.0, gt=0, allow_inf_nan=False, description="How long a keepalive ping may go unanswered before the connection is taken for dead.")
     tls_ca_file: str | None = Field(None, description="PEM CA bundle: connect over TLS and verify the server's certificate with it.")
     tls_cert_file: str | None = Field(None, description="PEM client certificate for mutual TLS (with tls_key_file).")
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")

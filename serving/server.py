@@ -238,7 +238,9 @@ class Service:
         receive_limit = receive_limit_bytes(cfg.max_message_mb, cfg.max_request_rows, max_length)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
         server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
-                                 options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0)])
+                                 options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0),
+                                          ("grpc.http2.min_recv_ping_interval_without_data_ms",
+                                           int(cfg.min_ping_interval_s * 1000))])
         names = self.add_servicers(server)
         health_servicer = add_probe_services(server, names)
         for n in ["", *names]:

@@ -47,6 +47,11 @@ class ServerConfig(SecurityConfig):
         4096, ge=1, description="Rows of max_length tokens one request may carry (a Train carries the whole "
         "rollout); sets the gRPC receive limit (see max_message_mb). Rows of shorter sequences fit in proportion.")
     grace_period_s: float = Field(30.0, ge=0, description="How long in-flight work may take after SIGTERM.")
+    min_ping_interval_s: float = Field(
+        5.0, ge=0, allow_inf_nan=False, description="The shortest interval at which a client may send keepalive "
+        "pings while its call sends no data (the actor pings every keepalive_s, 30 s by default, to find a frozen "
+        "server or a dead network path); a client pinging more often gets GOAWAY too_many_pings after two such pings. "
+        "gRPC's default is 5 minutes, which would refuse any client keepalive shorter than that.")
     device: DeviceSpec = Field("auto", description="torch device for the model: auto (cuda if available), cpu, cuda, cuda:N.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads of this process (its thread budget when services "
                              "share a machine's cores); 0: torch's default, one per core.")

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -146,6 +147,85 @@ def test_a_critic_that_restarts_from_scratch_is_reported_with_the_steps_it_lost(
     lost = re.findall(r"it resumed at train step (\d+), the last reply was at (\d+), so (\d+) critic optimizer steps "
                       r"were lost", out)
     assert lost == [("0", str(int(last_old)), str(int(last_old)))], (lost, last_old)
+
+
+class NetworkPath:
+    """Fault injection: a TCP proxy standing in for the network path to a server (a Kubernetes Service in front of
+    its pod). `fail_over(port)` makes the connections open so far swallow every byte silently, as a frozen node or
+    a partitioned network does (TCP stays up, nothing arrives), and sends the connections made from then on to
+    `port`, where the replacement server listens."""
+
+    def __init__(self, upstream: int):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port, self.upstream, self.generation = self.listener.getsockname()[1], upstream, 0
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:
+                client.close()  # nothing listens there (yet): the client sees the connection fail
+                continue
+            self.connections += 1
+            for src, dst in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(src, dst, self.generation), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, generation: int) -> None:
+        try:
+            while data := src.recv(65536):
+                if generation == self.generation:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            sock.close()
+
+    def fail_over(self, port: int) -> None:
+        self.upstream = port
+        self.generation += 1
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_critic_that_freezes_behind_its_address_is_replaced_without_waiting_for_the_call_deadline(reward, log_dir,
+                                                                                                     tmp_path):
+    """The critic's node freezes (SIGSTOP; its connections stay open and swallow everything) and a replacement
+    starts behind the same address. The actor's keepalive pings go unanswered, so within keepalive_s +
+    keepalive_timeout_s (1 + 1 s here) it drops the dead connection, retries the call in flight on a new one, which
+    reaches the replacement, and finishes every step; without pings the call would hang until critic.timeout_s."""
+    first = ServiceProcess("critic", "min_ping_interval_s=0.5", log_dir=log_dir).start()
+    path = NetworkPath(first.grpc_port)
+    run_dir = tmp_path / "run"
+    cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address=127.0.0.1:{path.port}",
+                        "ppo.max_num_steps=8", *PPO_RUN, "checkpointing.enabled=false", "critic.keepalive_s=1",
+                        "critic.keepalive_timeout_s=1", "critic.timeout_s=240")
+    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with ServiceProcess("critic", "min_ping_interval_s=0.5", log_dir=log_dir) as second:
+            wait_for_steps(run_dir, 3, actor)
+            first.proc.send_signal(signal.SIGSTOP)
+            path.fail_over(second.grpc_port)
+            froze = time.monotonic()
+            out, _ = actor.communicate(timeout=200)
+            took = time.monotonic() - froze
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+        first.proc.kill()
+        first.proc.wait()
+        path.close()
+    assert actor.returncode == 0, out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["critic/restarts"] == 1.0 and "restarted" in out, out[-3000:]
+    assert took < 30, took  # not critic.timeout_s (240 s)
 
 
 def _actor_with_its_own_servers(log_dir, tmp_path, http_port: int):
