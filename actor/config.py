@@ -306,8 +306,8 @@ class ValueLossConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    train_file: str = Field("embedded:prompts_train", description="JSONL prompts, one object per line, or embedded:prompts_train.")
-    val_file: str = Field("embedded:prompts_eval", description="JSONL prompts for validation, or embedded:prompts_eval.")
+    train_file: str = Field("embedded:prompts_train", description="Prompts: JSONL (one object per line) or one JSON array of objects, or embedded:prompts_train.")
+    val_file: str = Field("embedded:prompts_eval", description="Prompts for validation, as train_file, or embedded:prompts_eval.")
     prompt_key: str = Field("prompt", description="Key of the prompt text in each JSON object.")
     label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt.")
     max_input_seq_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")

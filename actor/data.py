@@ -1,9 +1,12 @@
-"""Prompt data: JSONL files, one object per line with a prompt (a string, or a list of chat messages) and
-optionally a reference answer (the label, any JSON value). Errors name the file and line."""
+"""Prompt data: JSONL files (one object per line) or JSON arrays of objects, each object with a prompt (a string,
+or a list of chat messages) and optionally a reference answer (the label, any JSON value). Errors name the file
+and line."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,51 +115,99 @@ def _read_text(path: str, key: str) -> str:
         raise DataError(f"{path} ({key}): cannot be read: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
+def _jsonl_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) for every non-blank line of a JSONL file."""
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                            f"prompt files are JSONL or a JSON array, in UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+
+
+def _json_array_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
+    """(line number where it starts, parsed object) for every element of a file holding one JSON array (the
+    layout of many published datasets' .json files), parsed element by element so each keeps its line."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x}); prompt files are JSONL or a "
+                        f"JSON array, in UTF-8") from None
+    decoder, ws = json.JSONDecoder(), re.compile(r"\s*")
+    line, counted = 1, 0  # the line of text[counted], counted forward as the parse goes (once over the text)
+
+    def line_at(pos: int) -> int:
+        nonlocal line, counted
+        line, counted = line + text.count("\n", counted, pos), pos
+        return line
+
+    pos = ws.match(text, text.index("[") + 1).end()
+    if text.startswith("]", pos):
+        pos = ws.match(text, pos + 1).end()
+    else:
+        while True:
+            try:
+                obj, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+            yield line_at(pos), obj
+            pos = ws.match(text, end).end()
+            if text.startswith(",", pos):
+                pos = ws.match(text, pos + 1).end()
+            elif text.startswith("]", pos):
+                pos = ws.match(text, pos + 1).end()
+                break
+            else:
+                raise DataError(f"{path}:{line_at(pos)}: not valid JSON: expected ',' or ']' after the array's "
+                                f"element")
+    if pos != len(text):
+        raise DataError(f"{path}:{line_at(pos)}: not valid JSON: text after the array's end")
+
+
 def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_length: int,
                  label_key: str = "label", fmt: PromptFormat = PromptFormat(),
                  embedding_rows: int | None = None) -> list[Prompt]:
-    """Every prompt of a JSONL file, formatted by `fmt` and tokenized, with its label if the line has one. With
-    `embedding_rows` (the policy's), a prompt holding a token the model has no embedding for is refused."""
+    """Every prompt of a prompt file, formatted by `fmt` and tokenized, with its label if its object has one. The
+    file is JSONL (an object per line) or one JSON array of objects (a file whose first character is `[`); errors
+    name the file and the line the object starts on. With `embedding_rows` (the policy's), a prompt holding a token
+    the model has no embedding for is refused."""
     if path.is_dir():
-        raise DataError(f"{path}: a directory, where a prompt file (JSONL) is expected")
+        raise DataError(f"{path}: a directory, where a prompt file (JSONL or a JSON array) is expected")
     if not path.is_file():
         raise DataError(f"{path}: prompt file does not exist")
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+    records = _json_array_records if data.lstrip().startswith(b"[") else _jsonl_records
     prompts = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                f"prompt files are JSONL in UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
-            try:
-                json.dumps(obj, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError:  # JSON's \uXXXX escapes can spell half of a surrogate pair alone
-                raise DataError(f"{path}:{lineno}: holds a lone surrogate (a \\ud800-\\udfff escape without its "
-                                f"pair), which is not valid Unicode") from None
-            if not isinstance(obj, dict) or key not in obj or (isinstance(obj[key], str) and not obj[key].strip()):
-                raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r} (or a list of "
-                                f"chat messages)")
-            try:
-                ids, conversation = fmt.render(obj[key], tokenizer)
-            except ValueError as e:
-                raise DataError(f"{path}:{lineno}: {key!r}: {e}") from None
-            if not ids:
-                raise DataError(f"{path}:{lineno}: prompt tokenizes to nothing")
-            if len(ids) > max_length:
-                raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than "
-                                f"data.max_input_seq_length={max_length}")
-            if embedding_rows is not None and (token := max(ids)) >= embedding_rows:
-                raise DataError(f"{path}:{lineno}: the prompt holds token {tokenizer.convert_ids_to_tokens(token)!r} "
-                                f"(id {token}), past the policy's embedding table ({embedding_rows} rows): the "
-                                f"tokenizer has tokens the model was not resized for")
-            prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}", conversation))
+    for lineno, obj in records(path, data):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # JSON's \uXXXX escapes can spell half of a surrogate pair alone
+            raise DataError(f"{path}:{lineno}: holds a lone surrogate (a \\ud800-\\udfff escape without its "
+                            f"pair), which is not valid Unicode") from None
+        if not isinstance(obj, dict) or key not in obj or (isinstance(obj[key], str) and not obj[key].strip()):
+            raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r} (or a list of "
+                            f"chat messages)")
+        try:
+            ids, conversation = fmt.render(obj[key], tokenizer)
+        except ValueError as e:
+            raise DataError(f"{path}:{lineno}: {key!r}: {e}") from None
+        if not ids:
+            raise DataError(f"{path}:{lineno}: prompt tokenizes to nothing")
+        if len(ids) > max_length:
+            raise DataError(f"{path}:{lineno}: prompt has {len(ids)} tokens, more than "
+                            f"data.max_input_seq_length={max_length}")
+        if embedding_rows is not None and (token := max(ids)) >= embedding_rows:
+            raise DataError(f"{path}:{lineno}: the prompt holds token {tokenizer.convert_ids_to_tokens(token)!r} "
+                            f"(id {token}), past the policy's embedding table ({embedding_rows} rows): the "
+                            f"tokenizer has tokens the model was not resized for")
+        prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}", conversation))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -104,6 +105,40 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, wor
     assert str(path) in str(err.value)
     for w in words:
         assert w in str(err.value)
+
+
+def test_a_json_array_prompt_file_loads_as_its_jsonl_twin_with_each_object_s_line(tmp_path, tokenizer):
+    """Many published datasets ship as one JSON array (.json): it loads as the same objects written as JSONL, and
+    each prompt keeps the line its object starts on (a pretty-printed file spreads an object over lines)."""
+    rows = [{"prompt": "river =>", "label": 3}, {"prompt": "castle =>", "label": "b"}, {"prompt": "city =>"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "p.json").write_text("\ufeff" + json.dumps(rows, indent=2))
+    as_lines, as_array = (load_prompts(tmp_path / name, "prompt", tokenizer, 64) for name in ("p.jsonl", "p.json"))
+    assert [(p.ids, p.label) for p in as_array] == [(p.ids, p.label) for p in as_lines]
+    assert [p.where for p in as_array] == [f"{tmp_path / 'p.json'}:{n}" for n in (2, 6, 10)]
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ('[\n  {"prompt": "river =>"},\n  {"prompt": \n]', [":4:", "not valid JSON"]),
+        ('[\n  {"prompt": "river =>"},\n  {"text": "x"}\n]', [":3:", "'prompt'"]),
+        ('[{"prompt": "river =>"}\n {"prompt": "city =>"}]', [":2:", "expected ',' or ']'"]),
+        ('[{"prompt": "river =>"}]\n[{"prompt": "city =>"}]', [":2:", "text after the array's end"]),
+        ('[{"prompt": "river =>"},]', [":1:", "not valid JSON"]),
+        ("[]", ["no prompts"]),
+        ('[\n{"prompt": "river =>"},\n{"prompt": "caf\xe9"}]'.encode("latin-1"), [":3:", "not UTF-8", "0xe9"]),
+    ],
+    ids=["bad-json", "missing-key", "no-comma", "two-arrays", "trailing-comma", "empty", "latin-1"],
+)
+def test_json_array_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, words):
+    path = tmp_path / "prompts.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DataError) as err:
+        load_prompts(path, "prompt", tokenizer, 64)
+    assert str(path) in str(err.value)
+    for w in words:
+        assert w in str(err.value), str(err.value)
 
 
 # A minimal ChatML-style template (the embedded tokenizer has none): each message on its own line, then the
