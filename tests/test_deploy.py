@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -18,6 +19,8 @@ SERVICES = ["critic", "reward", "actor"]
 # What a container adds to the tests' command line, and what a test therefore strips before comparing:
 # flags with a value, and dotted `key=value` config overrides.
 DEPLOY_FLAGS = {"--host", "--checkpoint-dir", "--config", "--auth-token-file"}
+# The Kubernetes API version the manifests are checked against (kubernetes-validate ships its schemas).
+K8S_SCHEMA_VERSION = "1.31.0"
 
 
 def load_yaml(path: Path) -> object:
@@ -204,6 +207,15 @@ def pod_spec(k8s: dict, name: str) -> dict:
 def main_container(k8s: dict, name: str) -> dict:
     (container,) = [c for c in pod_spec(k8s, name)["containers"] if c["name"] == name]
     return container
+
+
+def test_k8s_manifests_match_the_kubernetes_api_schemas(k8s):
+    """Each manifest against the Kubernetes API's own OpenAPI schemas (kubernetes-validate, as kubeconform checks
+    them), strictly: a misspelt or misplaced field is an error, not something the API server silently drops."""
+    for (kind, name), doc in k8s.items():
+        if kind == "Kustomization":  # kustomize's own file, not an API object
+            continue
+        kubernetes_validate.validate(doc, K8S_SCHEMA_VERSION, strict=True)
 
 
 def test_kustomization_lists_every_manifest(k8s):
