@@ -31,16 +31,46 @@ def exact_match(response: str, label: str | None) -> float:
 
 
 def math_answer(response: str, label: str | None) -> float:
-    """1.0 if the response's final answer equals the reference answer's, else 0.0 (see `final_answer`; numbers
-    compare by value, anything else as text without spaces)."""
+    """1.0 if the response's final answer equals the reference answer's, else 0.0 (see `final_answer`; both are
+    cleaned of notation that does not change the answer (`clean_answer`); numbers compare by value, a number
+    followed by words ("18 dollars") as the number, anything else as text without spaces)."""
     assert label is not None
     got, want = final_answer(response, last_number=True), final_answer(label, last_number=False)
     if got is None or want is None:
         return 0.0
-    a, b = as_number(got), as_number(want)
+    got, want = clean_answer(got), clean_answer(want)
+    a, b = _value(got), _value(want)
     if a is not None and b is not None:
         return float(a == b)
     return float(_squeeze(got) == _squeeze(want))
+
+
+_WRAPPER = re.compile(r"\\(?:text|textbf|mathbf|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}")
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
+_ASSIGNMENT = re.compile(r"^[A-Za-z]\s*=\s*(?=\S)")  # x = 7
+_BARE_FRAC = re.compile(r"\\([dt]?frac)(\d)(\d)")  # \frac12
+_WITH_UNIT = re.compile(r"(-?\$?[\d.,/]+%?)\s+[A-Za-z]{2,}[A-Za-z ]*\.?")  # 18 dollars (not 2 x)
+
+
+def clean_answer(text: str) -> str:
+    """An answer without notation that leaves it the same answer: a Unicode minus, TeX's {,} thousands separator,
+    \\$, \\left/\\right, degrees (^\\circ, °), \\text{...}-style wrappers (their content kept), markdown bold, and
+    a leading single-variable assignment (x = 7 -> 7); \\frac12 becomes \\frac{1}{2}."""
+    t = text.replace("\u2212", "-").replace("{,}", ",").replace("\\$", "$")
+    t = t.replace("\\left", "").replace("\\right", "")
+    t = _DEGREES.sub("", t)
+    while (unwrapped := _WRAPPER.sub(r"\1", t)) != t:
+        t = unwrapped
+    t = _ASSIGNMENT.sub("", t.strip().strip("*").strip())
+    return _BARE_FRAC.sub(r"\\\1{\2}{\3}", t).strip()
+
+
+def _value(answer: str) -> Fraction | None:
+    """The answer as a number, or the number it starts with when only words follow (a unit: 18 dollars)."""
+    number = as_number(answer)
+    if number is None and (unit := _WITH_UNIT.fullmatch(answer.strip())):
+        number = as_number(unit.group(1))
+    return number
 
 
 def final_answer(text: str, *, last_number: bool) -> str | None:
@@ -54,12 +84,13 @@ def final_answer(text: str, *, last_number: bool) -> str | None:
         tail = text.rsplit("####", 1)[1].strip()
         return tail.splitlines()[0].strip() if tail else None
     if last_number:
-        numbers = _NUMBER.findall(text)
+        numbers = _NUMBER.findall(text.replace("\u2212", "-"))  # a Unicode minus too
         return numbers[-1] if numbers else None
     return text.strip() or None
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# a number never ends with its thousands separator: "72, which is the answer" is 72
+_NUMBER = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?|-?\.\d+")
 _EXPONENT = re.compile(r"[eE][-+]?([\d_]+)")
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
 
@@ -130,8 +161,9 @@ SCORERS: dict[str, RuleScorer] = {
         math_answer,
         "1.0 when the response's final answer (its last \\boxed{...}, else what follows its last ####, else its last "
         "number) equals the label's (its \\boxed{...} or #### answer, else the whole label), numbers compared by "
-        "value (1,000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2} = 5e-1, $ and % dropped; an exponent past 3 digits compares "
-        "as text), else 0.0; requests must carry labels",
+        "value (1,000 = 1{,}000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2} = \\frac12 = 5e-1, $, %, degrees, a unit after "
+        "the number and x = dropped, \\text{...} and markdown bold unwrapped; an exponent past 3 digits compares as "
+        "text), else 0.0; requests must carry labels",
         needs_labels=True,
     ),
 }

@@ -764,6 +764,17 @@ MATH_CASES = [  # (response, label, reward): the response's final answer against
     ("\\boxed{x + 1}", "x+1", 1.0), ("\\boxed{x+1}", "x+2", 0.0), ("no number here", "5", 0.0),
     ("answer: $18.", "18", 1.0), ("50%", "50", 1.0), ("\\boxed{\\text{B}}", "B", 1.0), ("\\boxed{2}", "\\boxed{2.0}", 1.0),
     ("-3", "-3", 1.0), ("the value is .5", "1/2", 1.0), ("1/0", "1", 0.0), ("\\boxed{5", "5", 1.0), ("", "5", 0.0),
+    # a final number followed by a comma, as in running text
+    ("she sold 48 + 24 = 72, which is the answer.", "#### 72", 1.0), ("So we get 5, in all.", "5", 1.0),
+    ("Total: 1,234,", "1234", 1.0), ("Total: 1,235,", "1234", 0.0),
+    # notation that leaves the answer the same
+    ("\\boxed{\\$18}", "18", 1.0), ("\\boxed{1{,}234}", "1234", 1.0), ("\\boxed{42\\text{ apples}}", "42", 1.0),
+    ("\\boxed{18\\text{ dollars}}", "#### 18", 1.0), ("\\boxed{x=7}", "7", 1.0), ("\\boxed{x = 7}", "x=8", 0.0),
+    ("\\boxed{90^\\circ}", "90", 1.0), ("\\boxed{90^{\\circ}}", "90°", 1.0), ("\\boxed{\\textbf{5}}", "5", 1.0),
+    ("#### 18 dollars", "18", 1.0), ("#### **42**", "42", 1.0), ("the answer is \u22125", "-5", 1.0),
+    ("it is 1e6", "1000000", 1.0), ("\\boxed{0.5}", "\\boxed{\\frac12}", 1.0), ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+    # an algebraic answer is not a number with a unit
+    ("\\boxed{2 x}", "2", 0.0), ("\\boxed{2 x}", "2x", 1.0),
 ]
 
 
