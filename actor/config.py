@@ -271,6 +271,11 @@ class PPOConfig(StrictModel):
     kl_controller: KLControllerConfig = Field(default_factory=KLControllerConfig)
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
+    @property
+    def validates(self) -> bool:
+        """Whether the run validates at all (periodically, at its start or at its end)."""
+        return self.val_period > 0 or self.val_at_start or self.val_at_end
+
 
 class LossConfig(StrictModel):
     """NeMo-RL's ClippedPGLossConfig."""
@@ -307,7 +312,7 @@ class ValueLossConfig(StrictModel):
 
 class DataConfig(StrictModel):
     train_file: str = Field("embedded:prompts_train", description="Prompts: JSONL (one object per line) or one JSON array of objects, or embedded:prompts_train.")
-    val_file: str = Field("embedded:prompts_eval", description="Prompts for validation, as train_file, or embedded:prompts_eval.")
+    val_file: str = Field("embedded:prompts_eval", description="Prompts for validation, as train_file, or embedded:prompts_eval (which a run validating on its own train_file refuses: set this too).")
     prompt_key: str = Field("prompt", description="Key of the prompt text in each JSON object.")
     label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt.")
     max_input_seq_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")
@@ -441,6 +446,12 @@ class ActorConfig(StrictModel):
         """Refuse settings that contradict each other, naming both keys."""
         p, est, kl = self.ppo, self.ppo.adv_estimator, self.ppo.kl_controller
         name = f"ppo.adv_estimator.name={est.name}"
+        data_defaults = DataConfig()
+        if p.validates and self.data.train_file != data_defaults.train_file and self.data.val_file == data_defaults.val_file:
+            raise ValueError(f"data.train_file is your own ({self.data.train_file}) but data.val_file is still the "
+                             f"embedded toy prompts ({data_defaults.val_file}), which validation would score: set "
+                             f"data.val_file to your validation prompts, or turn validation off (ppo.val_period=0, "
+                             f"ppo.val_at_start=false, ppo.val_at_end=false)")
         loss_kl = self.loss_fn.reference_policy_kl_penalty
         shaping = p.reward_shaping
         longest = shaping.max_response_length or self.policy.generation.max_new_tokens

@@ -31,7 +31,7 @@ def resolve_data_file(spec: str) -> Path:
         if name not in ("prompts_train", "prompts_eval"):
             raise DataError(f"{spec}: unknown embedded data; expected embedded:prompts_train or embedded:prompts_eval")
         return getattr(assets, name)
-    return Path(spec)
+    return Path(spec).expanduser()
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,9 @@ class PromptFormat:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in value)):
             raise ValueError("expected a non-empty string or a non-empty list of {\"role\": str, \"content\": str} messages")
+        if value[-1]["role"] == "assistant":
+            raise ValueError("the conversation ends with an assistant message: a prompt ends where the policy's "
+                             "answer begins (drop the reference answer from the messages; it can be the label)")
         if self.system is not None and value[0]["role"] != "system":
             value = [{"role": "system", "content": self.system}, *value]
         return value
@@ -110,7 +113,7 @@ class PromptFormat:
 
 def _read_text(path: str, key: str) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).expanduser().read_text(encoding="utf-8-sig")  # without a byte-order mark
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path} ({key}): cannot be read: {e.strerror if isinstance(e, OSError) else e}") from None
 
@@ -191,9 +194,19 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
         except UnicodeEncodeError:  # JSON's \uXXXX escapes can spell half of a surrogate pair alone
             raise DataError(f"{path}:{lineno}: holds a lone surrogate (a \\ud800-\\udfff escape without its "
                             f"pair), which is not valid Unicode") from None
-        if not isinstance(obj, dict) or key not in obj or (isinstance(obj[key], str) and not obj[key].strip()):
-            raise DataError(f"{path}:{lineno}: expected an object with a non-empty string {key!r} (or a list of "
-                            f"chat messages)")
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{lineno}: expected an object with a prompt under {key!r} (data.prompt_key), "
+                            f"got {type(obj).__name__}")
+        if key not in obj:
+            raise DataError(f"{path}:{lineno}: no {key!r} (data.prompt_key); the object has "
+                            f"{', '.join(map(repr, list(obj)[:10])) or 'no keys'}")
+        if isinstance(obj[key], str) and not obj[key].strip():
+            raise DataError(f"{path}:{lineno}: expected a non-empty string {key!r} (or a list of chat messages)")
+        try:
+            json.dumps(obj.get(label_key), allow_nan=False)
+        except ValueError:
+            raise DataError(f"{path}:{lineno}: the label {label_key!r} (data.label_key) holds NaN or Infinity, "
+                            f"which is not JSON: no scorer can compare it (a missing value written by pandas?)") from None
         try:
             ids, conversation = fmt.render(obj[key], tokenizer)
         except ValueError as e:
@@ -259,7 +272,7 @@ def require_labels(prompts: list[Prompt], label_key: str, why: str) -> None:
     """Fail, naming the first line without one, unless every prompt has a label."""
     missing = next((p for p in prompts if p.label is None), None)
     if missing is not None:
-        raise DataError(f"{missing.where}: no {label_key!r} (data.label_key), but {why}")
+        raise DataError(f"{missing.where}: no {label_key!r} (data.label_key; null counts as none), but {why}")
 
 
 def run_id_of(run_dir: Path) -> str:

@@ -155,10 +155,11 @@ class PPOTrainer:
         fmt = PromptFormat.from_files(d.prompt_file, d.apply_chat_template, d.system_prompt_file)
         self.train_prompts = load_prompts(resolve_data_file(d.train_file), d.prompt_key, self.tokenizer,
                                           d.max_input_seq_length, d.label_key, fmt, embedding_rows)
-        validates = p.val_period > 0 or p.val_at_start or p.val_at_end
         self.val_prompts = (load_prompts(resolve_data_file(d.val_file), d.prompt_key, self.tokenizer,
                                          d.max_input_seq_length, d.label_key, fmt, embedding_rows)[: p.max_val_samples]
-                            if validates else [])
+                            if p.validates else [])
+        log.info("prompts: %d for training from %s, %d for validation%s", len(self.train_prompts), d.train_file,
+                 len(self.val_prompts), f" from {d.val_file}" if self.val_prompts else "")
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 

@@ -11,7 +11,15 @@ from transformers import AutoTokenizer
 
 from actor.clients import IncompatibleServer, check_compatible
 from actor.config import ActorConfig
-from actor.data import DataError, Prompt, PromptFormat, PromptSampler, load_prompts, require_labels
+from actor.data import (
+    DataError,
+    Prompt,
+    PromptFormat,
+    PromptSampler,
+    load_prompts,
+    require_labels,
+    resolve_data_file,
+)
 from critic_server.config import CriticConfig
 from ppo_services.v1 import critic_pb2, reward_pb2
 from serving.config import ConfigError, load_config
@@ -87,15 +95,21 @@ def tokenizer(embedded_assets):
     "content, words",
     [
         ('{"prompt": "river =>"}\n{"prompt": \n', [":2:", "not valid JSON"]),
-        ('{"prompt": "river =>"}\n\n{"text": "x"}\n', [":3:", "'prompt'"]),
+        ('{"prompt": "river =>"}\n\n{"text": "x", "label": 1}\n', [":3:", "no 'prompt' (data.prompt_key)",
+                                                                     "has 'text', 'label'"]),
         ('{"prompt": "' + " ".join(["river"] * 70) + '"}\n', [":1:", "70 tokens", "data.max_input_seq_length=64"]),
         ("", ["no prompts"]),
         ('{"prompt": "river =>"}\n{"prompt": "bad \\ud83d end"}\n', [":2:", "lone surrogate"]),
         ('{"prompt": "river =>"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"), [":2:", "not UTF-8", "0xe9", "column 16"]),
         ('{"prompt": "   "}\n', [":1:", "non-empty string 'prompt'"]),
         ('\ufeff{"prompt": "river =>"}\n{"prompt": "a\tb\x01"}\n'.encode(), [":2:", "not valid JSON", "column"]),
+        # what json.dumps writes for a missing value from pandas
+        ('{"prompt": "river =>", "label": 3}\n{"prompt": "city =>", "label": NaN}\n', [":2:", "NaN or Infinity",
+                                                                                      "data.label_key"]),
+        ('{"prompt": "river =>"}\n["river =>"]\n', [":2:", "got list"]),
     ],
-    ids=["bad-json", "missing-key", "too-long", "empty", "lone-surrogate", "latin-1", "blank-prompt", "control-char"],
+    ids=["bad-json", "missing-key", "too-long", "empty", "lone-surrogate", "latin-1", "blank-prompt", "control-char",
+         "nan-label", "not-an-object"],
 )
 def test_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, words):
     path = tmp_path / "prompts.jsonl"
@@ -139,6 +153,30 @@ def test_json_array_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, c
     assert str(path) in str(err.value)
     for w in words:
         assert w in str(err.value), str(err.value)
+
+
+def test_prompt_files_and_template_files_take_a_home_relative_path_and_a_byte_order_mark(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_data_file("~/prompts.jsonl") == tmp_path / "prompts.jsonl"
+    (tmp_path / "template.txt").write_text("\ufeffQuestion: {}", encoding="utf-8")
+    (tmp_path / "system.txt").write_text("\ufeffbe kind", encoding="utf-8")
+    fmt = PromptFormat.from_files("~/template.txt", True, "~/system.txt")
+    assert (fmt.template, fmt.system) == ("Question: {}", "be kind")
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    ([], True), (["ppo.val_period=0"], False), (["ppo.val_period=0", "ppo.val_at_end=true"], True),
+    (["data.val_file=my_val.jsonl"], False),
+])
+def test_own_training_prompts_with_the_embedded_validation_prompts_are_refused(overrides, refused):
+    """Validating a user's policy on the embedded toy prompts scores nothing the user asked for (and fails with a
+    labelling scorer, naming a file the user never gave): with validation on, data.val_file must be set too."""
+    args = ["data.train_file=my_train.jsonl", "ppo.val_period=5", *overrides]
+    if not refused:
+        load_config(ActorConfig, None, args)
+        return
+    with pytest.raises(ConfigError, match="data.val_file is still the embedded toy prompts"):
+        load_config(ActorConfig, None, args)
 
 
 # A minimal ChatML-style template (the embedded tokenizer has none): each message on its own line, then the
@@ -218,10 +256,13 @@ def test_string_prompts_begin_as_the_tokenizer_begins_a_text_and_chat_prompts_as
         ('{"prompt": [{"role": "user"}]}', False, [":2:", "list of {\"role\": str, \"content\": str}"]),
         ('{"prompt": 7}', False, [":2:", "non-empty string"]),
         ('{"prompt": []}', True, [":2:", "non-empty list"]),
-        ('{"prompt": [{"role": "assistant", "content": "hi"}]}', True, [":2:", "chat template refused",
-                                                                      "the last message must be the user"]),
+        ('{"prompt": [{"role": "system", "content": "hi"}]}', True, [":2:", "chat template refused",
+                                                                   "the last message must be the user"]),
+        # SFT-style data whose messages hold the answer: rendered as is, the answer would sit inside the prompt
+        ('{"prompt": [{"role": "user", "content": "river"}, {"role": "assistant", "content": "good"}]}', False,
+         [":2:", "ends with an assistant message", "it can be the label"]),
     ],
-    ids=["message-without-content", "number", "no-messages", "template-refuses"],
+    ids=["message-without-content", "number", "no-messages", "template-refuses", "ends-with-the-answer"],
 )
 def test_chat_prompt_errors_name_file_and_line(tmp_path, chat_tokenizer, line, chat, words):
     path = tmp_path / "prompts.jsonl"
