@@ -313,8 +313,8 @@ class ValueLossConfig(StrictModel):
 class DataConfig(StrictModel):
     train_file: str = Field("embedded:prompts_train", description="Prompts: JSONL (one object per line) or one JSON array of objects, or embedded:prompts_train.")
     val_file: str = Field("embedded:prompts_eval", description="Prompts for validation, as train_file, or embedded:prompts_eval (which a run validating on its own train_file refuses: set this too).")
-    prompt_key: str = Field("prompt", description="Key of the prompt text in each JSON object.")
-    label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt.")
+    prompt_key: str = Field("prompt", description="Key of the prompt text in each JSON object; a dotted key the object does not hold as it is is a path through nested objects (extra_info.question).")
+    label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt; dotted as prompt_key (verl's reward_model.ground_truth).")
     max_input_seq_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch.")
     prompt_file: str | None = Field(None, description="A text file holding a template with one {} where each string prompt goes (NeMo-RL's data.prompt_file; other braces doubled, as in Python's str.format); null uses the prompts as they are.")

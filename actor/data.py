@@ -118,6 +118,23 @@ def _read_text(path: str, key: str) -> str:
         raise DataError(f"{path} ({key}): cannot be read: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
+def _require_file(path: Path) -> Path:
+    if path.is_dir():
+        raise DataError(f"{path}: a directory, where a prompt file (JSONL or a JSON array) is expected")
+    if not path.is_file():
+        raise DataError(f"{path}: prompt file does not exist")
+    return path
+
+
+def existing_prompt_file(spec: str, key: str) -> Path:
+    """The prompt file `spec` names (data.train_file / data.val_file), checked to be one: called before the models
+    load, so a mistyped path costs seconds, not a large model's load."""
+    try:
+        return _require_file(resolve_data_file(spec))
+    except DataError as e:
+        raise DataError(f"{key}: {e}") from None
+
+
 def _jsonl_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for every non-blank line of a JSONL file."""
     for lineno, raw in enumerate(data.splitlines(), 1):
@@ -174,6 +191,21 @@ def _json_array_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{path}:{line_at(pos)}: not valid JSON: text after the array's end")
 
 
+_MISSING = object()
+
+
+def lookup(obj: dict, key: str) -> Any:
+    """obj[key]; for a key with dots that the object does not hold as it is, the path through nested objects
+    (`reward_model.ground_truth`, verl's layout). _MISSING when absent."""
+    if key in obj or "." not in key:
+        return obj.get(key, _MISSING)
+    for part in key.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return _MISSING
+        obj = obj[part]
+    return obj
+
+
 def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_length: int,
                  label_key: str = "label", fmt: PromptFormat = PromptFormat(),
                  embedding_rows: int | None = None) -> list[Prompt]:
@@ -181,10 +213,7 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
     file is JSONL (an object per line) or one JSON array of objects (a file whose first character is `[`); errors
     name the file and the line the object starts on. With `embedding_rows` (the policy's), a prompt holding a token
     the model has no embedding for is refused."""
-    if path.is_dir():
-        raise DataError(f"{path}: a directory, where a prompt file (JSONL or a JSON array) is expected")
-    if not path.is_file():
-        raise DataError(f"{path}: prompt file does not exist")
+    _require_file(path)
     data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
     records = _json_array_records if data.lstrip().startswith(b"[") else _jsonl_records
     prompts = []
@@ -197,18 +226,20 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: expected an object with a prompt under {key!r} (data.prompt_key), "
                             f"got {type(obj).__name__}")
-        if key not in obj:
+        prompt, label = lookup(obj, key), lookup(obj, label_key)
+        label = None if label is _MISSING else label
+        if prompt is _MISSING:
             raise DataError(f"{path}:{lineno}: no {key!r} (data.prompt_key); the object has "
                             f"{', '.join(map(repr, list(obj)[:10])) or 'no keys'}")
-        if isinstance(obj[key], str) and not obj[key].strip():
+        if isinstance(prompt, str) and not prompt.strip():
             raise DataError(f"{path}:{lineno}: expected a non-empty string {key!r} (or a list of chat messages)")
         try:
-            json.dumps(obj.get(label_key), allow_nan=False)
+            json.dumps(label, allow_nan=False)
         except ValueError:
             raise DataError(f"{path}:{lineno}: the label {label_key!r} (data.label_key) holds NaN or Infinity, "
                             f"which is not JSON: no scorer can compare it (a missing value written by pandas?)") from None
         try:
-            ids, conversation = fmt.render(obj[key], tokenizer)
+            ids, conversation = fmt.render(prompt, tokenizer)
         except ValueError as e:
             raise DataError(f"{path}:{lineno}: {key!r}: {e}") from None
         if not ids:
@@ -220,7 +251,7 @@ def load_prompts(path: Path, key: str, tokenizer: PreTrainedTokenizerBase, max_l
             raise DataError(f"{path}:{lineno}: the prompt holds token {tokenizer.convert_ids_to_tokens(token)!r} "
                             f"(id {token}), past the policy's embedding table ({embedding_rows} rows): the "
                             f"tokenizer has tokens the model was not resized for")
-        prompts.append(Prompt(ids, obj.get(label_key), f"{path}:{lineno}", conversation))
+        prompts.append(Prompt(ids, label, f"{path}:{lineno}", conversation))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts

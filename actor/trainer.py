@@ -55,7 +55,7 @@ from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
 from .clients import RemoteError, draining
 from .config import ActorConfig, PolicyConfig
-from .data import PromptFormat, PromptSampler, load_prompts, resolve_data_file, run_id_of
+from .data import PromptFormat, PromptSampler, existing_prompt_file, load_prompts, run_id_of
 from .environments import BadEnvironment
 from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
 from .models import load_models, padding_id
@@ -112,6 +112,10 @@ class PPOTrainer:
         set_thread_budget(cfg.num_threads)
         self.device = resolve_device(pol.device, "policy.device")
         dtype = TORCH_DTYPES[pol.precision]
+        d = cfg.data
+        fmt = PromptFormat.from_files(d.prompt_file, d.apply_chat_template, d.system_prompt_file)
+        train_file = existing_prompt_file(d.train_file, "data.train_file")
+        val_file = existing_prompt_file(d.val_file, "data.val_file") if p.validates else None
         checkpoints.remove_leftovers(self.run_dir / "checkpoints")
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
         policy_path = (str(self.resume_from / "actor") if self.resume_from
@@ -151,13 +155,10 @@ class PPOTrainer:
         self.val_sampling = SamplingParams(gen.max_new_tokens, gen.val_temperature, gen.val_top_k or 0, gen.val_top_p, stops,
                                            strings)
 
-        d = cfg.data
-        fmt = PromptFormat.from_files(d.prompt_file, d.apply_chat_template, d.system_prompt_file)
-        self.train_prompts = load_prompts(resolve_data_file(d.train_file), d.prompt_key, self.tokenizer,
-                                          d.max_input_seq_length, d.label_key, fmt, embedding_rows)
-        self.val_prompts = (load_prompts(resolve_data_file(d.val_file), d.prompt_key, self.tokenizer,
-                                         d.max_input_seq_length, d.label_key, fmt, embedding_rows)[: p.max_val_samples]
-                            if p.validates else [])
+        self.train_prompts = load_prompts(train_file, d.prompt_key, self.tokenizer, d.max_input_seq_length,
+                                          d.label_key, fmt, embedding_rows)
+        self.val_prompts = (load_prompts(val_file, d.prompt_key, self.tokenizer, d.max_input_seq_length, d.label_key,
+                                         fmt, embedding_rows)[: p.max_val_samples] if val_file else [])
         log.info("prompts: %d for training from %s, %d for validation%s", len(self.train_prompts), d.train_file,
                  len(self.val_prompts), f" from {d.val_file}" if self.val_prompts else "")
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)

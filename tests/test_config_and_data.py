@@ -155,6 +155,18 @@ def test_json_array_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, c
         assert w in str(err.value), str(err.value)
 
 
+def test_dotted_keys_reach_into_nested_objects_as_verl_lays_out_its_data(tmp_path, tokenizer):
+    """verl's rows hold the answer at reward_model.ground_truth; a key the object holds with its dots wins."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "river =>", "reward_model": {"ground_truth": "72", "style": "rule"}}\n'
+                    '{"prompt": "city =>", "reward_model": {"style": "rule"}, "reward_model.ground_truth": "5"}\n'
+                    '{"prompt": "castle =>", "reward_model": "72"}\n')
+    prompts = load_prompts(path, "prompt", tokenizer, 64, label_key="reward_model.ground_truth")
+    assert [p.label for p in prompts] == ["72", "5", None]
+    with pytest.raises(DataError, match=r":1: no 'extra.question' \(data.prompt_key\)"):
+        load_prompts(path, "extra.question", tokenizer, 64)
+
+
 def test_prompt_files_and_template_files_take_a_home_relative_path_and_a_byte_order_mark(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert resolve_data_file("~/prompts.jsonl") == tmp_path / "prompts.jsonl"

@@ -46,6 +46,9 @@ def test_the_collector_is_off_within_and_back_after_with_what_was_made_frozen():
     ("reward_server", "model=no-such-org/no-such-model", 1, "ModelNotFound: model=no-such-org/no-such-model: "),
     ("reward_server", "tokenizer=no-such-org/no-such-tok", 1, "ModelNotFound: tokenizer=no-such-org/no-such-tok: "),
     ("critic_server", "reward_model=no-such-org/no-such-rm", 1, "ModelNotFound: reward_model=no-such-org/no-such-rm: "),
+    # the prompt files are checked before any model loads (here a model that is not there either)
+    ("actor", "data.train_file=/no/such.jsonl data.val_file=/no/such.jsonl policy.model_name=/no/such/model", 1,
+     "error: data.train_file: /no/such.jsonl: prompt file does not exist"),
     # a reward model as the policy: transformers would fill its language-model head with noise
     ("actor", "policy.model_name=embedded:reward", 1,
      "error: policy.model_name=embedded:reward has no weights for the language-model head (lm_head.weight)"),
@@ -56,7 +59,7 @@ def test_a_device_or_model_that_is_not_there_is_refused_at_start_naming_the_key(
     model path with no directory there (which transformers would report as a malformed hub id), an unknown embedded
     name, or a hub id transformers cannot load (its reason, under the key)."""
     place = {"critic_server": ["--checkpoint-dir", str(tmp_path)], "actor": [f"run_dir={tmp_path}"]}.get(module, [])
-    done = subprocess.run([sys.executable, "-m", module, "--http-port", "0", *place, setting], cwd=ROOT, check=False,
+    done = subprocess.run([sys.executable, "-m", module, "--http-port", "0", *place, *setting.split()], cwd=ROOT, check=False,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == code and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
