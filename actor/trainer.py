@@ -159,8 +159,9 @@ class PPOTrainer:
                                           d.label_key, fmt, embedding_rows)
         self.val_prompts = (load_prompts(val_file, d.prompt_key, self.tokenizer, d.max_input_seq_length, d.label_key,
                                          fmt, embedding_rows)[: p.max_val_samples] if val_file else [])
-        log.info("prompts: %d for training from %s, %d for validation%s", len(self.train_prompts), d.train_file,
-                 len(self.val_prompts), f" from {d.val_file}" if self.val_prompts else "")
+        log.info("prompts: %d for training from %s, %d for validation%s; the first as the policy reads it "
+                 "(special tokens shown): %r", len(self.train_prompts), d.train_file, len(self.val_prompts),
+                 f" from {d.val_file}" if self.val_prompts else "", self.tokenizer.decode(self.train_prompts[0].ids))
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 

@@ -394,6 +394,9 @@ def test_an_instruct_policy_gets_chat_prompts_and_stops_at_its_generation_config
                     f"data.system_prompt_file={tmp_path / 'system.txt'}")
     assert run.returncode == 0, run.stderr[-3000:]
     rendered = tokenizer("<system> be kind\n<user> river castle =>\n<assistant> ", add_special_tokens=False)
+    # the log shows the first prompt as the policy reads it, so a template can be checked before a long run
+    assert f"the first as the policy reads it (special tokens shown): {tokenizer.decode(rendered['input_ids'])!r}" \
+        in run.stderr, run.stderr[-3000:]
     [row] = metrics(tmp_path / "run")
     assert row["train_rollouts/prompt_lengths"] == len(rendered["input_ids"])
     assert row["train_rollouts/response_lengths"] == 1
