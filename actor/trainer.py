@@ -426,7 +426,8 @@ class PPOTrainer:
         for i in range(min(n, r.tokens.shape[0])):
             prompt = self.tokenizer.decode(r.tokens[i, : r.prompt_lengths[i]], skip_special_tokens=True)
             response = self.tokenizer.decode(r.tokens[i, r.prompt_lengths[i]: r.lengths[i]], skip_special_tokens=True)
-            lines.append(f"  reward {float(batch.rewards[i]):+.3f} | {prompt} | {response}")
+            label = "" if batch.labels is None else f" | label {batch.labels[i]!r}"
+            lines.append(f"  reward {float(batch.rewards[i]):+.3f} | {prompt} | {response}{label}")
         return "\n".join(lines)
 
     # --- checkpoints ----------------------------------------------------------------------------

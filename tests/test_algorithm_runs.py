@@ -129,8 +129,9 @@ def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_assets, exact_ma
 
 def test_grpo_with_exact_match_on_labelled_prompts(exact_match, labelled_prompts, tmp_path):
     run = run_actor("grpo", tmp_path / "run", *SMALL, "ppo.max_num_steps=2", f"reward.address={exact_match.address}",
-                    f"data.train_file={labelled_prompts}", critic_dead())
+                    f"data.train_file={labelled_prompts}", critic_dead(), "logger.num_val_samples_to_print=2")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "| label 'good'" in run.stdout + run.stderr  # the printed samples show what they were scored against
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     assert all("train_rollouts/reward/exact_match" in r for r in rows)
