@@ -179,7 +179,7 @@ class AdvEstimatorConfig(StrictModel):
     length_adaptive_alpha: float = Field(0.0, ge=0, description="gae: > 0 sets each sample's policy lambda to clamp(1 - 1/(alpha * length), 0, 1); wins over gae_lambda_policy.")
     normalize_advantages: bool = Field(True, description="gae, raw_reward: whiten advantages over the step's response tokens.")
     use_leave_one_out_baseline: bool = Field(True, description="grpo, gdpo: baseline = mean of the other samples of the prompt (else the group mean).")
-    normalize_rewards: bool = Field(True, description="grpo, gdpo: divide by the group's reward std where it is > 0.")
+    normalize_rewards: bool = Field(True, description="grpo, gdpo: divide by the std of the rewards the baseline is taken over (with the leave-one-out baseline, the prompt's other samples), where it is above 1e-6.")
     minus_baseline: bool = Field(True, description="reinforce_plus_plus: subtract the prompt's mean reward.")
     advantage_clip_low: float | None = Field(None, description="Clip advantages from below; null disables.")
     advantage_clip_high: float | None = Field(None, description="Clip advantages from above; null disables.")

@@ -345,7 +345,7 @@ class PPOTrainer:
         loss_mask = mask * r.ended[:, None].float() if p.overlong_filtering else mask
         is_weights, is_metrics = None, {}
         if lf.use_importance_sampling_correction:
-            is_weights, loss_mask, is_metrics = truncated_importance_weights(
+            is_weights, is_metrics = truncated_importance_weights(
                 batch.logprobs, r.logprobs, loss_mask, lf.truncated_importance_sampling_type or "tis",
                 lf.truncated_importance_sampling_ratio_min if lf.truncated_importance_sampling_type else 0.0,
                 lf.truncated_importance_sampling_ratio if lf.truncated_importance_sampling_type else float("inf"))

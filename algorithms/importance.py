@@ -27,11 +27,13 @@ def truncated_importance_weights(
     - ``"icepop"``: ``w`` where ``low <= w <= high``, else 0; the mask is unchanged (zeroed tokens still
       count in the token divisor).
     - ``"seq-mask-tis"``: a row whose geometric-mean weight ``exp(mean log w over its valid tokens)`` lies
-      outside ``[low, high]`` is dropped: its mask and weights become 0. Kept rows get ``clamp(w, low, high)``
-      per token.
+      outside ``[low, high]`` is dropped (its weights become 0); kept rows keep their untruncated ``w`` per token,
+      as NeMo-RL's and OpenRLHF's do.
 
-    Pass the result to :func:`algorithms.losses.policy_loss` as ``importance_weights`` together with the
-    returned mask.
+    Tokens whose weight is zeroed (``icepop``, or a dropped row) still count in the loss's token divisor, as in
+    NeMo-RL, so the mask passed to :func:`algorithms.losses.policy_loss` stays the caller's.
+
+    Pass the result to :func:`algorithms.losses.policy_loss` as ``importance_weights``.
 
     Args:
         old_logprobs: float [B, T], the trainer's log-probs of the taken tokens at rollout time.
@@ -42,11 +44,11 @@ def truncated_importance_weights(
         high: upper truncation bound (>= ``low``).
 
     Returns:
-        ``(weights, mask, metrics)``: detached float [B, T] weights in the promoted input dtype, 0 outside the
-        returned mask; the bool [B, T] mask (reduced only by ``seq-mask-tis``); detached 0-dim metrics over
-        the input's valid tokens: ``is_weight_mean``, ``is_weight_min``, ``is_weight_max`` (of the
-        untruncated ``w``), ``is_clipfrac`` (fraction of tokens whose weight was clamped, zeroed or dropped)
-        and ``is_dropped_sequences`` (number of dropped rows; 0 for ``tis`` and ``icepop``).
+        ``(weights, metrics)``: detached float [B, T] weights in the promoted input dtype, 0 outside the mask;
+        detached 0-dim metrics over the input's valid tokens: ``is_weight_mean``, ``is_weight_min``,
+        ``is_weight_max`` (of the untruncated ``w``), ``is_clipfrac`` (fraction of tokens whose weight was
+        clamped, zeroed or dropped) and ``is_dropped_sequences`` (number of dropped rows; 0 for ``tis`` and
+        ``icepop``).
 
     Raises:
         ValueError: for an unknown ``kind`` or bounds with ``not 0 <= low <= high``.
@@ -64,20 +66,17 @@ def truncated_importance_weights(
         log_w = torch.where(valid, (old_logprobs - generation_logprobs).to(dtype), zero)
         raw = torch.exp(log_w)
         outside = valid & ((raw < low) | (raw > high))
-        new_valid = valid
         dropped = torch.zeros(valid.shape[0], dtype=torch.bool, device=valid.device)
-        if kind == "icepop":
-            weights = torch.where(outside, zero, raw)
-        else:
-            weights = torch.clamp(raw, low, high)
-        if kind == "seq-mask-tis":
+        if kind == "tis":
+            weights, truncated = torch.clamp(raw, low, high), outside
+        elif kind == "icepop":
+            weights, truncated = torch.where(outside, zero, raw), outside
+        else:  # seq-mask-tis
             seq_weight = torch.exp(masked_mean(log_w, valid, dim=-1))
-            has_tokens = valid.any(dim=-1)
-            dropped = has_tokens & ((seq_weight < low) | (seq_weight > high))
-            new_valid = valid & ~dropped.unsqueeze(-1)
-        weights = torch.where(new_valid, weights, zero)
-        # a token counts as truncated if its weight changed: clamped/zeroed, or its whole row dropped
-        truncated = outside | (valid & ~new_valid)
+            dropped = valid.any(dim=-1) & ((seq_weight < low) | (seq_weight > high))
+            truncated = valid & dropped.unsqueeze(-1)
+            weights = torch.where(truncated, zero, raw)
+        weights = torch.where(valid, weights, zero)
         weight_min, weight_max = masked_min_max(raw, valid)
         metrics = {
             "is_weight_mean": masked_mean(raw, valid),
@@ -86,4 +85,4 @@ def truncated_importance_weights(
             "is_clipfrac": masked_mean(truncated.to(dtype), valid),
             "is_dropped_sequences": dropped.sum().to(dtype),
         }
-    return weights, new_valid, metrics
+    return weights, metrics
