@@ -4,6 +4,7 @@ and Prometheus gauges on the actor's own /metrics."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -14,6 +15,8 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from .generation import GENERATION_COUNTS
+
+log = logging.getLogger(__name__)
 
 
 class Timers:
@@ -66,6 +69,24 @@ def step_breakdown(step: int, metrics: dict[str, float]) -> str:
     return f"step {step} time {total:.2f} s: " + " | ".join(parts) + overlap
 
 
+def _readable_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a line that is not a JSON row with a step (the torn last line of a process killed, or
+    a disk that filled, while writing it) is skipped with a warning naming it."""
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+                continue
+        except json.JSONDecodeError:
+            pass
+        log.warning("%s:%d: not a whole metrics row (cut off by a crash?); left out: %.80r", path, lineno, line)
+    return rows
+
+
 class MetricsTracker:
     def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry, tensorboard: bool = True,
                  resume_step: int | None = None):
@@ -75,9 +96,10 @@ class MetricsTracker:
         path = run_dir / "metrics.jsonl"
         kept: list[dict] = []
         if resume_step is not None and path.is_file():
-            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            kept = [r for r in rows if r["step"] <= resume_step]  # later rows are recomputed
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            kept = [r for r in _readable_rows(path) if r["step"] <= resume_step]  # later rows are recomputed
+            tmp = path.with_name(path.name + ".tmp")  # replaced whole, so a crash here cannot lose the rows kept
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            tmp.replace(path)
         self.jsonl = path.open("a" if resume_step is not None else "w", encoding="utf-8")
         self.tb = SummaryWriter(str(run_dir / "tensorboard")) if tensorboard else None
         self.bar = tqdm(total=total_steps, initial=resume_step or 0, desc="ppo", unit="step", dynamic_ncols=True)
