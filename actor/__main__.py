@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         trainer.fit()
-    except (RemoteError, DynamicSamplingError, MissingRewardComponents, BadEnvironment, RolloutWorkerError,
-            PolicyDiverged) as e:
+    except (RemoteError, IncompatibleServer, DynamicSamplingError, MissingRewardComponents, BadEnvironment,
+            RolloutWorkerError, PolicyDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StopNow as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from serving.modeling import vocab_sha256
@@ -15,6 +16,7 @@ from .clients import (
     CriticClient,
     IncompatibleServer,
     OpenRLHFRewardClient,
+    RemoteError,
     RewardClient,
     TrainResult,
     check_compatible,
@@ -24,6 +26,17 @@ from .data import DataError, Prompt, require_labels
 from .rollouts import ScoreFn, chat_scorer, text_scorer, token_scorer
 
 log = logging.getLogger(__name__)
+
+
+class CriticShared(RemoteError):
+    """The critic's train step moved without this run: another client trained it, or Loaded a checkpoint into it.
+    A critic serves one run; two runs on one critic would each train on a critic fitted partly to the other's
+    rollouts."""
+
+
+class NotFinite(RemoteError):
+    """A server's rewards or values hold NaN or infinity: its model diverged or its scorer failed. Trained on, they
+    would make every loss non-finite (each optimizer step skipped) or poison the critic's targets."""
 
 
 class Servers:
@@ -66,9 +79,14 @@ class Servers:
         sha, vocab = vocab_sha256(self.tokenizer), self.token_ids
         critic_info = self.critic.info() if self.critic is not None else None
         if critic_info is not None:
+            self._critic_check = (sha, vocab, needed, why)  # checked again on a critic that restarts mid-run
             check_compatible("critic", critic_info, sha, vocab, needed, why)
             self.max_length = min(self.max_length, critic_info.max_length)  # it values whole multi-turn episodes
             self.critic_seen = (critic_info.instance_id, critic_info.train_step)
+            if critic_info.train_step:
+                log.warning("the critic server %s has taken %d optimizer steps already (its own checkpoint, resumed, "
+                            "or another run's training): this run trains it on from there", cfg.critic.address,
+                            critic_info.train_step)
         labelled = all(p.label is not None for p in self.train_prompts)
         if cfg.env.name is not None and not cfg.env.uses_reward_server:
             log.info("env.name=%s gives the rewards: no reward server is used", cfg.env.name)
@@ -116,13 +134,44 @@ class Servers:
                 f"{list(available)}, ppo.adv_estimator.reward_components asks for {names}: start the reward server "
                 "with components=[...], e.g. components=[positive_fraction,no_negative]")
 
+    def reward_source(self) -> str:
+        cfg = self.cfg
+        if cfg.env.name is not None and not cfg.env.uses_reward_server:
+            return f"the environment {cfg.env.name}"
+        if self.score is None:
+            return f"the critic server {cfg.critic.address} (its reward model)"
+        if cfg.reward.source == "openrlhf":
+            return f"the reward server {cfg.reward.url}"
+        return f"the reward server {cfg.reward.address}"
+
+    def require_finite(self, batch) -> None:
+        """Stop the run (NotFinite) on rewards, reward components or critic values that are NaN or infinite, naming
+        the server and the first such sample."""
+        checks = [("rewards", batch.rewards, self.reward_source())]
+        checks += [(f"reward component {name!r}", v, self.reward_source()) for name, v in batch.components.items()]
+        if batch.values is not None:
+            checks.append(("values", batch.values * batch.mask, f"the critic server {self.cfg.critic.address}"))
+        for what, tensor, source in checks:
+            bad = ~torch.isfinite(tensor)
+            if bad.any():
+                rows = bad.reshape(bad.shape[0], -1).any(dim=1)
+                first = int(rows.nonzero()[0])
+                sample = self.tokenizer.decode(batch.rollout.tokens[first, : batch.rollout.lengths[first]],
+                                               skip_special_tokens=True)
+                raise NotFinite(f"{source} returned {what} that are NaN or infinite for {int(rows.sum())} of "
+                                f"{rows.numel()} samples (the first: {sample[:200]!r}): its model diverged or its "
+                                f"scorer failed; the run stops rather than train on them")
+
     def critic_at(self, reply: TrainResult) -> None:
         """The critic as its last Train reply gave it. A reply from another instance than the last one seen means
         the critic restarted while this step ran (its Train retried on the new one): the restart is counted here,
         with the train step it resumed at (the reply's, less the steps this call took), before the step's own steps
-        hide it."""
+        hide it. From the same instance, the step before this Train must be the last one seen (CriticShared)."""
+        before = reply.train_step - int(reply.metrics.get("optimizer_steps", 0))
         if reply.instance_id and reply.instance_id != self.critic_seen[0]:
-            self._restarted(reply.instance_id, reply.train_step - int(reply.metrics.get("optimizer_steps", 0)))
+            self._restarted(reply.instance_id, before)
+        elif before != self.critic_seen[1]:
+            raise self._shared(before)
         self.critic_seen = (reply.instance_id or self.critic_seen[0], reply.train_step)
 
     def critic_returned_to(self, train_step: int) -> None:
@@ -130,22 +179,34 @@ class Servers:
         self.critic_seen = (self.critic_seen[0], train_step)
 
     def watch_critic(self) -> None:
-        """Notice a critic that restarted since the last step (a new instance id, or a train step behind the last
-        reply's): log what it lost (the train steps between its checkpoint and the last reply) and go on with it."""
+        """Notice a critic that restarted since the last step (a new instance id): log what it lost (the train steps
+        between its checkpoint and the last reply), check it again as at start-up, and go on with it. The same
+        instance at another train step than the last reply's was trained or Loaded by someone else: CriticShared."""
         if self.critic is None:
             return
         info = self.critic.current_info()
         instance, train_step = self.critic_seen
-        if info.instance_id != instance or info.train_step < train_step:
-            self._restarted(info.instance_id, info.train_step)
+        if info.instance_id != instance:
+            self._restarted(info.instance_id, info.train_step, info)
+        elif info.train_step != train_step:
+            raise self._shared(info.train_step)
         self.critic_seen = (info.instance_id, info.train_step)
 
-    def _restarted(self, instance_id: str, resumed_at: int) -> None:
+    def _shared(self, train_step: int) -> CriticShared:
+        return CriticShared(
+            f"the critic server {self.cfg.critic.address} is at train step {train_step}, where this run left it at "
+            f"{self.critic_seen[1]}, with no restart in between (instance {self.critic_seen[0][:8]}): another client "
+            f"trained it or returned it to a checkpoint. A critic serves one run: give each run its own critic "
+            f"server (two runs on one critic each train against a critic fitted partly to the other's rollouts)")
+
+    def _restarted(self, instance_id: str, resumed_at: int, info=None) -> None:
         instance, train_step = self.critic_seen
         self.critic_restarts += 1
         log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last reply "
                     "was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address, instance[:8],
                     instance_id[:8], resumed_at, train_step, max(0, train_step - resumed_at))
+        # the restarted process may serve another model: held to what the run was started with
+        check_compatible("critic", info or self.critic.current_info(), *self._critic_check)
 
     def close(self) -> None:
         if self.critic is not None:

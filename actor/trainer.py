@@ -53,7 +53,7 @@ from serving.rest import add_ops_routes, start_ops_thread
 from . import checkpoints
 from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
-from .clients import RemoteError, draining
+from .clients import IncompatibleServer, RemoteError, TrainResult, draining
 from .config import ActorConfig, PolicyConfig
 from .data import PromptFormat, PromptSampler, existing_prompt_file, load_prompts, run_id_of
 from .environments import BadEnvironment
@@ -61,7 +61,7 @@ from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
 from .models import load_models, padding_id
 from .multiturn import episode_metrics, multi_turn_collector
 from .rollouts import PolicyDiverged, RolloutBatch, RolloutCollector
-from .servers import Servers
+from .servers import CriticShared, NotFinite, Servers
 from .tracking import MetricsTracker, Timers, step_breakdown
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,13 @@ class StopNow(BaseException):
 
 
 # failures that end a run after its last finished step is checkpointed, as the log names them
-RUN_ENDING_FAILURES = {RemoteError: "a server is unavailable",
+RUN_ENDING_FAILURES = {CriticShared: "the critic is trained by another client too",
+                       NotFinite: "a server returned rewards or values that are not numbers",
+                       IncompatibleServer: "a server restarted with a model this run cannot use",
+                       RemoteError: "a server is unavailable",
                        RolloutWorkerError: "the generation worker failed", BadEnvironment: "the environment failed"}
 STOPS_THE_RUN = tuple(RUN_ENDING_FAILURES)
+STALLED_STEPS = 3  # steps in a row without a policy update (every optimizer step non-finite) before the run stops
 
 
 def pass_limits(pol: PolicyConfig) -> tuple[PassLimits, PassLimits]:
@@ -99,6 +103,7 @@ class PPOTrainer:
         self.registry = CollectorRegistry()
         self.ready = False
         self.stop_requested, self.stop_signal = False, ""
+        self.stalled_steps = 0  # steps in a row whose every policy optimizer step was skipped as non-finite
         self.run_dir = Path(cfg.run_dir)
         self.run_lock = checkpoints.lock_run_dir(self.run_dir)  # before anything in it is read or written
         self.ops = None
@@ -320,6 +325,21 @@ class PPOTrainer:
             "train_optim/empty_steps": float(empty),
         }
 
+    def _count_stalled(self, metrics: dict[str, float], critic: TrainResult | None, batch: RolloutBatch) -> None:
+        """Stop (PolicyDiverged) after STALLED_STEPS steps in a row in which every optimizer step of the policy, or
+        of the critic, was skipped as non-finite: the run would go on spending its compute without training (rewards
+        huge but finite, from a reward model gone wrong, do that)."""
+        policy = metrics["train_optim/skipped_steps"] > 0 and metrics["train_optim/optimizer_steps"] == 0
+        value = critic is not None and critic.metrics.get("skipped_steps", 0) > 0 \
+            and critic.metrics.get("optimizer_steps", 0) == 0
+        self.stalled_steps = self.stalled_steps + 1 if policy or value else 0
+        if self.stalled_steps >= STALLED_STEPS:
+            raise PolicyDiverged(
+                f"{self.stalled_steps} steps in a row took no {'policy' if policy else 'critic'} optimizer step: every "
+                f"loss or gradient was not finite (this step's rewards: mean {float(batch.rewards.mean()):.4g}, "
+                f"largest magnitude {float(batch.rewards.abs().max()):.4g}; a reward source gone wrong, or a "
+                f"learning rate too large); the run stops with the weights of its last finished update")
+
     # --- one step -------------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict[str, float], RolloutBatch]:
         cfg, t = self.cfg, self.timers
@@ -327,6 +347,7 @@ class PPOTrainer:
         self.servers.watch_critic()
         with t("rollout_time"):
             batch, gen_batches = self.rollouts.collect(step)
+        self.servers.require_finite(batch)
         r, mask = batch.rollout, batch.mask
 
         kl = torch.zeros_like(mask)
@@ -366,6 +387,7 @@ class PPOTrainer:
         self.rollouts.update_weights(self.policy)  # the async generation worker's next batch uses them
         with t("critic_train_wait"):
             critic = critic_train.result() if critic_train is not None else None
+        self._count_stalled(metrics, critic, batch)
 
         kl_per_sample = float(kl.sum(1).mean())
         metrics.update({

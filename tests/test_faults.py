@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from actor.clients import DRAIN_OUTAGE_S, CriticClient, RemoteError
 from actor.config import RemoteConfig
@@ -226,6 +228,114 @@ def test_a_critic_that_freezes_behind_its_address_is_replaced_without_waiting_fo
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["critic/restarts"] == 1.0 and "restarted" in out, out[-3000:]
     assert took < 30, took  # not critic.timeout_s (240 s)
+
+
+def test_two_runs_on_one_critic_are_stopped_naming_the_sharing(reward, log_dir, tmp_path):
+    """Two actors given the same critic would each train it on their own rollouts, and a resume of one would return
+    it to that run's checkpoint under the other. Each run knows the train step its last Train left the critic at;
+    a step it did not take, with no restart in between, stops it with a message saying a critic serves one run."""
+    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck"), log_dir=log_dir) as critic:
+        actors = []
+        for name in ("a", "b"):
+            cmd = actor_command("ppo", tmp_path / name, f"reward.address={reward.address}",
+                                f"critic.address={critic.address}", "ppo.max_num_steps=200", *PPO_RUN,
+                                "checkpointing.enabled=false")
+            actors.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            if name == "a":
+                wait_for_steps(tmp_path / name, 2, actors[-1])
+        try:
+            deadline = time.monotonic() + 120
+            while all(a.poll() is None for a in actors) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            for a in actors:
+                if a.poll() is None:
+                    a.kill()
+            outs = [a.communicate()[0] for a in actors]
+    stopped = [(a.returncode, out) for a, out in zip(actors, outs) if "A critic serves one run" in out]
+    assert stopped, outs[0][-2000:] + outs[1][-2000:]
+    code, out = stopped[0]
+    assert code == 1 and "Traceback" not in out and "another client trained it" in out, out[-2000:]
+
+
+def _with_another_vocabulary(source, target):
+    """A copy of the model at `source` whose tokenizer gives two words each other's ids: the same shapes, other
+    token ids."""
+    shutil.copytree(source, target)
+    path = target / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = [word for word in vocab if word.isalpha()][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tokenizer))
+    return target
+
+
+def test_a_critic_restarted_with_a_model_of_another_vocabulary_stops_the_run(embedded_assets, reward, log_dir,
+                                                                             tmp_path):
+    """At start-up a critic whose tokenizer maps words to other ids is refused; the same check now runs on a critic
+    that restarts mid-run (it was accepted, and valued every token as another)."""
+    grpc_port, http_port = free_port(), free_port()
+    first = ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck"), grpc_port=grpc_port,
+                           http_port=http_port, log_dir=log_dir).start()
+    other = _with_another_vocabulary(embedded_assets.policy, tmp_path / "other-vocab")
+    run_dir = tmp_path / "run"
+    cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={first.address}",
+                        "ppo.max_num_steps=200", *PPO_RUN, "checkpointing.save_period=100")
+    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run_dir, 3, actor)
+        first.proc.kill()
+        first.proc.wait()
+        with ServiceProcess("critic", f"model={other}", "resume=never", "--checkpoint-dir", str(tmp_path / "ck2"),
+                            grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
+            out, _ = actor.communicate(timeout=120)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert "restarted" in out and "uses a different tokenizer vocabulary than the policy" in out, out[-3000:]
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert f"a server restarted with a model this run cannot use: checkpoint of step {done}" in out, out[-3000:]
+
+
+def test_a_reward_model_that_returns_nan_stops_the_run_naming_it(embedded_assets, log_dir, tmp_path):
+    """A reward model whose weights went NaN: its rewards would make every policy loss non-finite, so each optimizer
+    step was skipped and the run ended with exit 0 having trained nothing (with a critic, the critic refused the
+    returns and the error named the critic). The run stops at the first such batch, naming the reward server."""
+    diverged = tmp_path / "nan-rm"
+    shutil.copytree(embedded_assets.reward_model, diverged)
+    weights = load_file(diverged / "model.safetensors")
+    weights["score.weight"] = torch.full_like(weights["score.weight"], float("nan"))
+    save_file(weights, diverged / "model.safetensors", metadata={"format": "pt"})
+    with ServiceProcess("reward", f"model={diverged}", log_dir=log_dir) as reward:
+        run = subprocess.run(actor_command("grpo", tmp_path / "run", f"reward.address={reward.address}",
+                                           f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=3"),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert (f"error: the reward server {reward.address} returned rewards that are NaN or infinite for 32 of 32 "
+            f"samples") in run.stderr, run.stderr[-3000:]
+
+
+def test_a_run_whose_every_critic_step_is_skipped_stops_after_three_steps(embedded_assets, log_dir, tmp_path):
+    """Rewards huge but finite (a reward model gone wrong: 1e35 and more) make every critic loss non-finite (and at
+    larger ones every policy loss); each optimizer step is skipped, which keeps the weights, but the run went on to
+    its end having trained nothing (exit 0). After three such steps in a row it stops, saying what the rewards
+    were."""
+    wrong = tmp_path / "huge-rm"
+    shutil.copytree(embedded_assets.reward_model, wrong)
+    weights = load_file(wrong / "model.safetensors")
+    weights["score.weight"] = weights["score.weight"] * 1e35
+    save_file(weights, wrong / "model.safetensors", metadata={"format": "pt"})
+    with ServiceProcess("reward", f"model={wrong}", log_dir=log_dir) as reward, \
+            ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck"), log_dir=log_dir) as critic:
+        run = subprocess.run(actor_command("ppo", tmp_path / "run", f"reward.address={reward.address}",
+                                           f"critic.address={critic.address}", *PPO_RUN, "ppo.max_num_steps=20"),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "error: 3 steps in a row took no critic optimizer step" in run.stderr, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["critic/train_step"] for r in rows] == [0.0, 0.0], rows
 
 
 def _actor_with_its_own_servers(log_dir, tmp_path, http_port: int):
