@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 
@@ -16,6 +17,10 @@ FLAGS = {
     "--run-dir": ("run_dir", "where metrics, TensorBoard events and checkpoints go"),
     "--auth-token-file": ("auth_token_file", "file holding the servers' bearer token (else $PPO_SERVICES_AUTH_TOKEN)"),
 }
+
+
+# a disk that filled (or a file size limit, or a quota): the run stops saying so, without a traceback
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     except StopNow as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        print(f"error: cannot write the run's files under {cfg.run_dir}: {e}; make room there and start the same "
+              f"command again: it resumes from the latest complete checkpoint", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     return 0

@@ -170,6 +170,10 @@ class MetricsTracker:
 
     def close(self) -> None:
         self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-        self.jsonl.close()
+        for what, close in (("TensorBoard events", self.tb.close if self.tb is not None else None),
+                            ("metrics.jsonl", self.jsonl.close)):
+            try:
+                if close is not None:
+                    close()
+            except OSError as e:  # a full disk: what was written stays; the error that stopped the run is reported
+                log.warning("could not finish writing the %s in %s: %s", what, self.run_dir, e)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -336,6 +337,27 @@ def test_a_run_whose_every_critic_step_is_skipped_stops_after_three_steps(embedd
     assert "error: 3 steps in a row took no critic optimizer step" in run.stderr, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["critic/train_step"] for r in rows] == [0.0, 0.0], rows
+
+
+def _file_size_limit(limit: int):
+    """For the child: files may grow to `limit` bytes, past which a write fails with EFBIG, as on a full disk."""
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_run_that_cannot_write_its_files_stops_with_one_line_saying_so(reward, tmp_path):
+    """A full disk under run_dir (here a file size limit of 2000 bytes, which the first metrics row passes) stopped
+    the actor with chained tracebacks; it now stops with one line naming run_dir and how to go on."""
+    run = subprocess.run(actor_command("grpo", tmp_path / "run", f"reward.address={reward.address}",
+                                       f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=3",
+                                       "logger.tensorboard_enabled=false"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                         preexec_fn=_file_size_limit(2000))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"error: cannot write the run's files under {tmp_path / 'run'}: [Errno 27] File too large" in run.stderr, \
+        run.stderr[-3000:]
 
 
 def _actor_with_its_own_servers(log_dir, tmp_path, http_port: int):
