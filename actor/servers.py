@@ -9,6 +9,7 @@ import logging
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ppo_services.v1 import critic_pb2
 from serving.modeling import vocab_sha256
 from serving.security import load_token
 
@@ -23,7 +24,7 @@ from .clients import (
 )
 from .config import ActorConfig
 from .data import DataError, Prompt, require_labels
-from .rollouts import ScoreFn, chat_scorer, text_scorer, token_scorer
+from .rollouts import RolloutBatch, ScoreFn, chat_scorer, text_scorer, token_scorer
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Servers:
                 "with components=[...], e.g. components=[positive_fraction,no_negative]")
 
     def reward_source(self) -> str:
+        """Where the run's rewards come from, in words for an error message."""
         cfg = self.cfg
         if cfg.env.name is not None and not cfg.env.uses_reward_server:
             return f"the environment {cfg.env.name}"
@@ -144,7 +146,7 @@ class Servers:
             return f"the reward server {cfg.reward.url}"
         return f"the reward server {cfg.reward.address}"
 
-    def require_finite(self, batch) -> None:
+    def require_finite(self, batch: RolloutBatch) -> None:
         """Stop the run (NotFinite) on rewards, reward components or critic values that are NaN or infinite, naming
         the server and the first such sample."""
         checks = [("rewards", batch.rewards, self.reward_source())]
@@ -199,7 +201,7 @@ class Servers:
             f"trained it or returned it to a checkpoint. A critic serves one run: give each run its own critic "
             f"server (two runs on one critic each train against a critic fitted partly to the other's rollouts)")
 
-    def _restarted(self, instance_id: str, resumed_at: int, info=None) -> None:
+    def _restarted(self, instance_id: str, resumed_at: int, info: critic_pb2.CriticInfo | None = None) -> None:
         instance, train_step = self.critic_seen
         self.critic_restarts += 1
         log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last reply "
