@@ -329,7 +329,7 @@ class PPOTrainer:
         """Stop (PolicyDiverged) after STALLED_STEPS steps in a row in which every optimizer step of the policy, or
         of the critic, was skipped as non-finite: the run would go on spending its compute without training (rewards
         huge but finite, from a reward model gone wrong, do that)."""
-        policy = metrics["train_optim/skipped_steps"] > 0 and metrics["train_optim/optimizer_steps"] == 0
+        policy = metrics.get("train_optim/skipped_steps", 0) > 0 and metrics.get("train_optim/optimizer_steps") == 0
         value = critic is not None and critic.metrics.get("skipped_steps", 0) > 0 \
             and critic.metrics.get("optimizer_steps", 0) == 0
         self.stalled_steps = self.stalled_steps + 1 if policy or value else 0
