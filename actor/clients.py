@@ -294,6 +294,11 @@ class RewardClient:
         """What the server runs; waits while its model is still loading."""
         return wait_for_info("reward", self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
 
+    def current_info(self) -> reward_pb2.RewardInfo:
+        """GetInfo during a run: retried through an outage of up to reward.outage_timeout_s, like every call."""
+        return retrying(self.stub.GetInfo, common_pb2.GetInfoRequest(), lambda r: r, f"{self.what} GetInfo",
+                        self.cfg, "reward").result()
+
     def score_tokens(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
                      labels: list[str] | None = None) -> Pending[Scores]:
         """Score the policy's token ids (the server shares the policy's tokenizer)."""

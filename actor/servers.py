@@ -9,7 +9,7 @@ import logging
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ppo_services.v1 import critic_pb2
+from ppo_services.v1 import critic_pb2, reward_pb2
 from serving.modeling import vocab_sha256
 from serving.security import load_token
 
@@ -40,6 +40,12 @@ class NotFinite(RemoteError):
     would make every loss non-finite (each optimizer step skipped) or poison the critic's targets."""
 
 
+def _serves(info: reward_pb2.RewardInfo) -> str:
+    """What a reward server serves, in words: what decides its rewards and the requests it takes."""
+    return (f"{info.model!r} (vocabulary {info.vocab_sha256[:12] or 'none'}, components "
+            f"{list(info.components)}, labels {'needed' if info.needs_labels else 'not needed'})")
+
+
 class Servers:
     """`critic` (None when the estimator needs no values), `reward` (None when the critic serves rewards) and
     `score`, the reward request of every generation batch."""
@@ -55,6 +61,7 @@ class Servers:
         self.token = load_token(cfg.auth_token_file, "auth_token_file")
         self.critic: CriticClient | None = None
         self.critic_restarts, self.critic_seen = 0, ("", 0)
+        self.reward_serves: str | None = None  # what the gRPC reward server served at start
         if cfg.needs_critic:
             self.critic = CriticClient(cfg.critic, self.token)
         else:
@@ -103,6 +110,7 @@ class Servers:
             return text_scorer(self.reward, self.tokenizer, cfg.reward.skip_special_tokens)
         self.reward = RewardClient(cfg.reward, self.token)
         info = self.reward.info()
+        self.reward_serves = _serves(info)  # held for the run: a restarted server must serve the same
         if info.needs_labels:
             why_labels = f"the reward server's scorer ({info.model}) compares every response with its prompt's label"
             require_labels(self.train_prompts, cfg.data.label_key, why_labels)
@@ -179,6 +187,18 @@ class Servers:
     def critic_returned_to(self, train_step: int) -> None:
         """The critic Loaded a checkpoint at `train_step` (a resumed run): the same instance, at an earlier step."""
         self.critic_seen = (self.critic_seen[0], train_step)
+
+    def watch_reward(self) -> None:
+        """Before every step: the gRPC reward server still serves what the run started with (a server restarted
+        mid-run with another model or scorer changes what the rewards mean, and may need other inputs)."""
+        if self.reward_serves is None or not isinstance(self.reward, RewardClient):
+            return
+        now = _serves(self.reward.current_info())
+        if now != self.reward_serves:
+            raise IncompatibleServer(
+                f"the reward server {self.cfg.reward.address} now serves {now}, where this run started with "
+                f"{self.reward_serves}: it was restarted with other settings, which would change what the rewards "
+                f"mean mid-run; restart it as it was, or start a new run")
 
     def watch_critic(self) -> None:
         """Notice a critic that restarted since the last step (a new instance id): log what it lost (the train steps

@@ -345,6 +345,7 @@ class PPOTrainer:
         cfg, t = self.cfg, self.timers
         p, lf, kc = cfg.ppo, cfg.loss_fn, cfg.ppo.kl_controller
         self.servers.watch_critic()
+        self.servers.watch_reward()
         with t("rollout_time"):
             batch, gen_batches = self.rollouts.collect(step)
         self.servers.require_finite(batch)

@@ -83,6 +83,29 @@ def test_a_reward_server_killed_and_restarted_mid_run_loses_no_step(embedded_cac
     assert "the server is unavailable" in out and "retrying" in out
 
 
+def test_a_reward_server_restarted_with_another_scorer_stops_the_run(embedded_cache, log_dir, tmp_path):
+    """The same address, another reward: a reward server restarted mid-run as a rule scorer in place of its learned
+    model was accepted, and the rewards changed meaning from one step to the next. Before every step the actor
+    checks that the server still serves what the run started with."""
+    grpc_port, http_port = free_port(), free_port()
+    first = ServiceProcess("reward", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
+    run_dir = tmp_path / "run"
+    actor = start_actor(run_dir, first.address, "ppo.max_num_steps=400", "checkpointing.enabled=false")
+    try:
+        wait_for_steps(run_dir, 2, actor)
+        first.proc.kill()
+        first.proc.wait()
+        with ServiceProcess("reward", "--scorer", "no_negative", grpc_port=grpc_port, http_port=http_port,
+                            log_dir=log_dir):
+            out, _ = actor.communicate(timeout=120)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert f"the reward server {first.address} now serves 'rule:no_negative'" in out, out[-3000:]
+    assert "where this run started with 'embedded:reward'" in out, out[-3000:]
+
+
 def test_a_server_away_longer_than_the_bound_ends_the_run_with_a_checkpoint(embedded_cache, log_dir, tmp_path):
     reward = ServiceProcess("reward", log_dir=log_dir).start()
     run_dir = tmp_path / "run"
