@@ -232,21 +232,34 @@ class TrainResult:
     instance_id: str = ""  # the critic process that answered ("" from a server that does not say)
 
 
-class CriticClient:
+class _ServerClient:
+    """A channel to one of our gRPC servers (`name`: critic or reward) and its GetInfo, at start-up and during a
+    run; the subclasses add the service's own calls."""
+
+    name: str
+    stub_class: type
+
     def __init__(self, cfg: RemoteConfig, token: str | None = None):
         self.cfg = cfg
-        self.channel = open_channel("critic", cfg, token)
-        self.stub = critic_pb2_grpc.CriticServiceStub(self.channel)
-        self.what = f"critic server {cfg.address}"
+        self.channel = open_channel(self.name, cfg, token)
+        self.stub = self.stub_class(self.channel)
+        self.what = f"{self.name} server {cfg.address}"
 
-    def info(self) -> critic_pb2.CriticInfo:
+    def info(self):
         """What the server runs; waits while its model is still loading."""
-        return wait_for_info("critic", self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
+        return wait_for_info(self.name, self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
 
-    def current_info(self) -> critic_pb2.CriticInfo:
-        """GetInfo during a run: retried through an outage of up to critic.outage_timeout_s, like every call."""
+    def current_info(self):
+        """GetInfo during a run: retried through an outage of up to <name>.outage_timeout_s, like every call."""
         return retrying(self.stub.GetInfo, common_pb2.GetInfoRequest(), lambda r: r, f"{self.what} GetInfo",
-                        self.cfg, "critic").result()
+                        self.cfg, self.name).result()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class CriticClient(_ServerClient):
+    name, stub_class = "critic", critic_pb2_grpc.CriticServiceStub
 
     def infer(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Pending[tuple[torch.Tensor, torch.Tensor | None]]:
         """Values float32 [B, S] (and rewards [B] from a combined server, else None)."""
@@ -279,25 +292,9 @@ class CriticClient:
         reply = _call(f"{self.what} Load", self.stub.Load, critic_pb2.LoadRequest(tag=tag), self.cfg.timeout_s)
         return reply.path, reply.train_step
 
-    def close(self) -> None:
-        self.channel.close()
 
-
-class RewardClient:
-    def __init__(self, cfg: RemoteConfig, token: str | None = None):
-        self.cfg = cfg
-        self.channel = open_channel("reward", cfg, token)
-        self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
-        self.what = f"reward server {cfg.address}"
-
-    def info(self) -> reward_pb2.RewardInfo:
-        """What the server runs; waits while its model is still loading."""
-        return wait_for_info("reward", self.cfg, self.stub.GetInfo, common_pb2.GetInfoRequest())
-
-    def current_info(self) -> reward_pb2.RewardInfo:
-        """GetInfo during a run: retried through an outage of up to reward.outage_timeout_s, like every call."""
-        return retrying(self.stub.GetInfo, common_pb2.GetInfoRequest(), lambda r: r, f"{self.what} GetInfo",
-                        self.cfg, "reward").result()
+class RewardClient(_ServerClient):
+    name, stub_class = "reward", reward_pb2_grpc.RewardServiceStub
 
     def score_tokens(self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
                      labels: list[str] | None = None) -> Pending[Scores]:
@@ -318,9 +315,6 @@ class RewardClient:
             reward_pb2.Conversation(messages=[reward_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
             for messages in conversations])
         return retrying(self.stub.Score, req, _convert_scores, f"{self.what} Score", self.cfg, "reward")
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 def _convert_scores(r: reward_pb2.ScoreResponse) -> Scores:
