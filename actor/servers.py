@@ -191,7 +191,7 @@ class Servers:
     def watch_reward(self) -> None:
         """Before every step: the gRPC reward server still serves what the run started with (a server restarted
         mid-run with another model or scorer changes what the rewards mean, and may need other inputs)."""
-        if self.reward_serves is None or not isinstance(self.reward, RewardClient):
+        if self.reward_serves is None:  # set for a gRPC reward server only
             return
         now = _serves(self.reward.current_info())
         if now != self.reward_serves:

@@ -83,7 +83,7 @@ RUN_ENDING_FAILURES = {CriticShared: "the critic is trained by another client to
                        RemoteError: "a server is unavailable",
                        RolloutWorkerError: "the generation worker failed", BadEnvironment: "the environment failed"}
 STOPS_THE_RUN = tuple(RUN_ENDING_FAILURES)
-STALLED_STEPS = 3  # steps in a row without a policy update (every optimizer step non-finite) before the run stops
+STALLED_STEPS = 3  # steps in a row without a policy or critic update (every optimizer step non-finite) before a stop
 
 
 def pass_limits(pol: PolicyConfig) -> tuple[PassLimits, PassLimits]:
@@ -103,7 +103,7 @@ class PPOTrainer:
         self.registry = CollectorRegistry()
         self.ready = False
         self.stop_requested, self.stop_signal = False, ""
-        self.stalled_steps = 0  # steps in a row whose every policy optimizer step was skipped as non-finite
+        self.stalled_steps = 0  # steps in a row whose every policy, or critic, optimizer step was skipped as non-finite
         self.run_dir = Path(cfg.run_dir)
         self.run_lock = checkpoints.lock_run_dir(self.run_dir)  # before anything in it is read or written
         self.ops = None
