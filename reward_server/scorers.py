@@ -35,7 +35,9 @@ def math_answer(response: str, label: str | None) -> float:
     cleaned of notation that does not change the answer (`clean_answer`); numbers compare by value, a number
     followed by words ("18 dollars") as the number, anything else as text without spaces)."""
     assert label is not None
-    got, want = final_answer(response, last_number=True), final_answer(label, last_number=False)
+    minus = str.maketrans("\u2212", "-")  # a Unicode minus sign is a minus
+    got = final_answer(response.translate(minus), last_number=True)
+    want = final_answer(label.translate(minus), last_number=False)
     if got is None or want is None:
         return 0.0
     got, want = clean_answer(got), clean_answer(want)
@@ -53,10 +55,10 @@ _WITH_UNIT = re.compile(r"(-?\$?[\d.,/]+%?)\s+[A-Za-z]{2,}[A-Za-z ]*\.?")  # 18 
 
 
 def clean_answer(text: str) -> str:
-    """An answer without notation that leaves it the same answer: a Unicode minus, TeX's {,} thousands separator,
+    """An answer without notation that leaves it the same answer: TeX's {,} thousands separator,
     \\$, \\left/\\right, degrees (^\\circ, °), \\text{...}-style wrappers (their content kept), markdown bold, and
     a leading single-variable assignment (x = 7 -> 7); \\frac12 becomes \\frac{1}{2}."""
-    t = text.replace("\u2212", "-").replace("{,}", ",").replace("\\$", "$")
+    t = text.replace("{,}", ",").replace("\\$", "$")
     t = t.replace("\\left", "").replace("\\right", "")
     t = _DEGREES.sub("", t)
     while (unwrapped := _WRAPPER.sub(r"\1", t)) != t:
@@ -84,7 +86,7 @@ def final_answer(text: str, *, last_number: bool) -> str | None:
         tail = text.rsplit("####", 1)[1].strip()
         return tail.splitlines()[0].strip() if tail else None
     if last_number:
-        numbers = _NUMBER.findall(text.replace("\u2212", "-"))  # a Unicode minus too
+        numbers = _NUMBER.findall(text)
         return numbers[-1] if numbers else None
     return text.strip() or None
 
