@@ -112,13 +112,17 @@ def tokenizer(embedded_assets):
          "nan-label", "not-an-object"],
 )
 def test_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, words):
-    path = tmp_path / "prompts.jsonl"
+    assert_refused(tmp_path / "prompts.jsonl", content, tokenizer, words)
+
+
+def assert_refused(path, content: str | bytes, tokenizer, words: list[str]) -> None:
+    """A prompt file holding `content` is refused with a DataError naming it and holding every one of `words`."""
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DataError) as err:
         load_prompts(path, "prompt", tokenizer, 64)
     assert str(path) in str(err.value)
     for w in words:
-        assert w in str(err.value)
+        assert w in str(err.value), str(err.value)
 
 
 def test_a_json_array_prompt_file_loads_as_its_jsonl_twin_with_each_object_s_line(tmp_path, tokenizer):
@@ -146,13 +150,7 @@ def test_a_json_array_prompt_file_loads_as_its_jsonl_twin_with_each_object_s_lin
     ids=["bad-json", "missing-key", "no-comma", "two-arrays", "trailing-comma", "empty", "latin-1"],
 )
 def test_json_array_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, words):
-    path = tmp_path / "prompts.json"
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    with pytest.raises(DataError) as err:
-        load_prompts(path, "prompt", tokenizer, 64)
-    assert str(path) in str(err.value)
-    for w in words:
-        assert w in str(err.value), str(err.value)
+    assert_refused(tmp_path / "prompts.json", content, tokenizer, words)
 
 
 def test_dotted_keys_reach_into_nested_objects_as_verl_lays_out_its_data(tmp_path, tokenizer):

@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
@@ -61,22 +62,31 @@ def wait_for_steps(run_dir, n: int, proc: subprocess.Popen, timeout: float = 180
     raise TimeoutError(f"no {n} steps in {timeout} s")
 
 
-def test_a_reward_server_killed_and_restarted_mid_run_loses_no_step(embedded_cache, log_dir, tmp_path):
+def run_with_the_reward_restarted(log_dir, tmp_path, steps: int, *again: str, pause: float = 0.0,
+                                  timeout: float = 300) -> tuple[subprocess.Popen, str, Path, str]:
+    """A GRPO run of `steps` steps whose reward server is SIGKILLed (no drain: calls in flight break) after step 2
+    and started again on the same ports, `pause` seconds later, with `again` added to its command. Returns the
+    finished actor, its output, its run_dir and the server's address."""
     grpc_port, http_port = free_port(), free_port()
     first = ServiceProcess("reward", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
     run_dir = tmp_path / "run"
-    # steps left after the kill: the actor's next Score finds the server gone and retries until it is back
-    actor = start_actor(run_dir, first.address, "ppo.max_num_steps=12", "checkpointing.enabled=false")
+    actor = start_actor(run_dir, first.address, f"ppo.max_num_steps={steps}", "checkpointing.enabled=false")
     try:
         wait_for_steps(run_dir, 2, actor)
-        first.proc.kill()  # SIGKILL: no drain, calls in flight break
+        first.proc.kill()
         first.proc.wait()
-        time.sleep(1.0)
-        with ServiceProcess("reward", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
-            out, _ = actor.communicate(timeout=300)
+        time.sleep(pause)
+        with ServiceProcess("reward", *again, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
+            out, _ = actor.communicate(timeout=timeout)
     finally:
         if actor.poll() is None:
             actor.kill()
+    return actor, out, run_dir, first.address
+
+
+def test_a_reward_server_killed_and_restarted_mid_run_loses_no_step(embedded_cache, log_dir, tmp_path):
+    # steps left after the kill: the actor's next Score finds the server gone and retries until it is back
+    actor, out, run_dir, _ = run_with_the_reward_restarted(log_dir, tmp_path, 12, pause=1.0)
     assert actor.returncode == 0, out[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))
@@ -87,22 +97,10 @@ def test_a_reward_server_restarted_with_another_scorer_stops_the_run(embedded_ca
     """The same address, another reward: a reward server restarted mid-run as a rule scorer in place of its learned
     model was accepted, and the rewards changed meaning from one step to the next. Before every step the actor
     checks that the server still serves what the run started with."""
-    grpc_port, http_port = free_port(), free_port()
-    first = ServiceProcess("reward", grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
-    run_dir = tmp_path / "run"
-    actor = start_actor(run_dir, first.address, "ppo.max_num_steps=400", "checkpointing.enabled=false")
-    try:
-        wait_for_steps(run_dir, 2, actor)
-        first.proc.kill()
-        first.proc.wait()
-        with ServiceProcess("reward", "--scorer", "no_negative", grpc_port=grpc_port, http_port=http_port,
-                            log_dir=log_dir):
-            out, _ = actor.communicate(timeout=120)
-    finally:
-        if actor.poll() is None:
-            actor.kill()
+    actor, out, _, address = run_with_the_reward_restarted(log_dir, tmp_path, 400, "--scorer", "no_negative",
+                                                           timeout=120)
     assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
-    assert f"the reward server {first.address} now serves 'rule:no_negative'" in out, out[-3000:]
+    assert f"the reward server {address} now serves 'rule:no_negative'" in out, out[-3000:]
     assert "where this run started with 'embedded:reward'" in out, out[-3000:]
 
 
