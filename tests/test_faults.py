@@ -321,15 +321,20 @@ def test_a_critic_restarted_with_a_model_of_another_vocabulary_stops_the_run(emb
     assert f"a server restarted with a model this run cannot use: checkpoint of step {done}" in out, out[-3000:]
 
 
+def reward_model_with_head(embedded_assets, target: Path, change) -> Path:
+    """A copy of the embedded reward model at `target` whose score head's weight is `change(weight)`."""
+    shutil.copytree(embedded_assets.reward_model, target)
+    weights = load_file(target / "model.safetensors")
+    weights["score.weight"] = change(weights["score.weight"])
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
 def test_a_reward_model_that_returns_nan_stops_the_run_naming_it(embedded_assets, log_dir, tmp_path):
     """A reward model whose weights went NaN: its rewards would make every policy loss non-finite, so each optimizer
     step was skipped and the run ended with exit 0 having trained nothing (with a critic, the critic refused the
     returns and the error named the critic). The run stops at the first such batch, naming the reward server."""
-    diverged = tmp_path / "nan-rm"
-    shutil.copytree(embedded_assets.reward_model, diverged)
-    weights = load_file(diverged / "model.safetensors")
-    weights["score.weight"] = torch.full_like(weights["score.weight"], float("nan"))
-    save_file(weights, diverged / "model.safetensors", metadata={"format": "pt"})
+    diverged = reward_model_with_head(embedded_assets, tmp_path / "nan-rm", lambda w: torch.full_like(w, float("nan")))
     with ServiceProcess("reward", f"model={diverged}", log_dir=log_dir) as reward:
         run = subprocess.run(actor_command("grpo", tmp_path / "run", f"reward.address={reward.address}",
                                            f"critic.address=127.0.0.1:{free_port()}", *RUN, "ppo.max_num_steps=3"),
@@ -344,11 +349,7 @@ def test_a_run_whose_every_critic_step_is_skipped_stops_after_three_steps(embedd
     larger ones every policy loss); each optimizer step is skipped, which keeps the weights, but the run went on to
     its end having trained nothing (exit 0). After three such steps in a row it stops, saying what the rewards
     were."""
-    wrong = tmp_path / "huge-rm"
-    shutil.copytree(embedded_assets.reward_model, wrong)
-    weights = load_file(wrong / "model.safetensors")
-    weights["score.weight"] = weights["score.weight"] * 1e35
-    save_file(weights, wrong / "model.safetensors", metadata={"format": "pt"})
+    wrong = reward_model_with_head(embedded_assets, tmp_path / "huge-rm", lambda w: w * 1e35)
     with ServiceProcess("reward", f"model={wrong}", log_dir=log_dir) as reward, \
             ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck"), log_dir=log_dir) as critic:
         run = subprocess.run(actor_command("ppo", tmp_path / "run", f"reward.address={reward.address}",
