@@ -92,8 +92,8 @@ class Pending(Generic[T]):
                         f"{unreachable_reason(e)}") from None
                 if now + delay - outage_since > self._outage_s:
                     raise RemoteError(
-                        f"{self._what} failed: the server was unavailable for {now - outage_since:.0f} s, longer than "
-                        f"{self._outage_key} ({self._outage_s:.0f} s): {unreachable_reason(e)}") from None
+                        f"{self._what} failed: the server was unavailable for {now - outage_since:.1f} s, and the next "
+                        f"try would be past {self._outage_key} ({self._outage_s:g} s): {unreachable_reason(e)}") from None
                 log.warning("%s: the server is unavailable (%s); retrying in %.1f s", self._what,
                             unreachable_reason(e), delay)
                 time.sleep(delay)
