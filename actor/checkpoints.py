@@ -165,14 +165,25 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, state: d
             "with, or checkpointing.resume=never") from None
 
 
+def holds_its_critic(path: Path) -> bool:
+    """Whether checkpoint `path` holds the critic's checkpoint of its step (False where the critic's Save failed)."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return "critic_unsaved" not in state
+
+
 def prune(root: Path, cfg: CheckpointingConfig) -> None:
-    """With keep_top_k: keep the latest checkpoint and the k best by metric_name; delete the others."""
+    """With keep_top_k: keep the latest checkpoint, the k best by metric_name and the newest that holds its critic
+    (a run whose critic Saves began failing can still resume exactly from it); delete the others."""
     if cfg.keep_top_k is None:
         return
     found = complete_checkpoints(root)
     if len(found) <= cfg.keep_top_k + 1:
         return
     latest = found[-1]
+    paired = next((path for path in reversed(found) if holds_its_critic(path)), latest)
 
     def score(path: Path) -> float:
         value = json.loads((path / STATE_FILE).read_text()).get("metric")
@@ -180,7 +191,7 @@ def prune(root: Path, cfg: CheckpointingConfig) -> None:
             return float("-inf")
         return value if cfg.higher_is_better else -value
 
-    keep = {latest, *sorted(found[:-1], key=score, reverse=True)[: cfg.keep_top_k]}
+    keep = {latest, paired, *sorted(found[:-1], key=score, reverse=True)[: cfg.keep_top_k]}
     for path in found:
         if path not in keep:
             log.info("retention (keep_top_k=%d by %s): removing %s", cfg.keep_top_k, cfg.metric_name, path)

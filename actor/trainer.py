@@ -15,6 +15,7 @@ import signal
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -462,17 +463,19 @@ class PPOTrainer:
         tmp, final = root / f"tmp_step_{step}", root / f"step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
         self.models.save(tmp, self.tokenizer)
-        critic_tag, critic_path = f"{self.run_id}-step_{step}", None  # the run's own namespace on the critic
+        critic_tag, critic_path, unsaved = f"{self.run_id}-step_{step}", None, {}  # the run's namespace on the critic
         if self.critic is not None:
             try:
                 critic_path = self.critic.save(critic_tag)
-            except RemoteError as e:  # the actor's own state is still worth keeping
+            except RemoteError as e:  # the actor's own state is still worth keeping, with where it left the critic
                 log.error("checkpoint of step %d without the critic: %s", step, e)
+                instance, train_step = self.servers.critic_seen
+                unsaved = {"critic_unsaved": {"error": str(e), "instance_id": instance, "train_step": train_step}}
         meta = {"step": step, "actor": str((final / "actor").resolve()), "critic": critic_path,
                 "consumed_samples": self.sampler.consumed, "epoch": self.sampler.epoch, "kl_coef": self.kl_coef}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
         metric = (metrics or {}).get(self.cfg.checkpointing.metric_name or "")
-        state = {**meta, "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
+        state = {**meta, **unsaved, "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
                  "next_group": self.collector.next_group, "metric": metric,
                  "python_random": random.getstate()[1], "config": self.cfg.model_dump(mode="json")}
         rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(),
@@ -505,7 +508,7 @@ class PPOTrainer:
         self.kl_coef, self.collector.next_group = state["kl_coef"], state["next_group"]
         if self.critic is not None:
             if state["critic_tag"] is None:
-                log.warning("%s holds no critic checkpoint: the critic keeps its present weights", directory)
+                self._resume_without_a_critic_checkpoint(directory, state)
             else:
                 path, train_step = self.critic.load(state["critic_tag"])
                 self.servers.critic_returned_to(train_step)
@@ -513,6 +516,32 @@ class PPOTrainer:
         log.info("resuming after step %d from %s (%d samples consumed)", state["step"], directory,
                  state["consumed_samples"])
         return int(state["step"])
+
+    def _resume_without_a_critic_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
+        """A checkpoint whose critic Save failed resumes exactly only if the critic is still where that step left it:
+        the same process (instance id) at the same train step. Otherwise it stops naming the newest checkpoint that
+        holds its critic. A checkpoint of a run without a critic (or written before this was recorded) keeps the
+        critic as it is, with a warning."""
+        unsaved = state.get("critic_unsaved")
+        if unsaved is None:
+            log.warning("%s holds no critic checkpoint: the critic keeps its present weights", directory)
+            return
+        instance, train_step = self.servers.critic_seen
+        if (instance, train_step) == (unsaved["instance_id"], unsaved["train_step"]):
+            log.info("%s holds no critic checkpoint (its Save failed), but the critic server %s is still where that "
+                     "step left it (the same process, train step %d): resuming with it as it is", directory,
+                     self.cfg.critic.address, train_step)
+            return
+        paired = [p for p in checkpoints.complete_checkpoints(directory.parent)
+                  if checkpoints.step_of(p) < state["step"] and checkpoints.holds_its_critic(p)]
+        instead = (f"resume from {paired[-1]}, the newest earlier checkpoint that holds its critic "
+                   f"(checkpointing.resume={paired[-1]}), or start over (checkpointing.resume=never)" if paired else
+                   "no earlier checkpoint of this run holds its critic: start over (checkpointing.resume=never)")
+        raise checkpoints.ResumeError(
+            f"{directory} holds no critic checkpoint (the critic's Save failed: {unsaved['error']}), and the critic "
+            f"server {self.cfg.critic.address} is no longer where that step left it (train step "
+            f"{unsaved['train_step']} of process {unsaved['instance_id'][:8]}; now train step {train_step} of process "
+            f"{instance[:8]}), so the run cannot go on exactly from it: {instead}")
 
     def fit(self) -> list[dict]:
         cfg, p = self.cfg, self.cfg.ppo

@@ -84,7 +84,8 @@ class CriticConfig(ServerConfig):
         "latest",
         description="At start, `latest` loads the newest checkpoint this server wrote in checkpoint_dir (one whose "
         "critic_state.json has a saved_at: weights, optimizer, train step, dedupe window) instead of `model`, if there "
-        "is one; `never` always starts from `model`.",
+        "is one (a damaged one is logged and the next older one tried; when none loads the server exits naming them); "
+        "`never` always starts from `model`.",
     )
     seed: int = Field(1234, description="Seed for the value head's initialisation when the checkpoint has none.")
     train: CriticTrainConfig = Field(default_factory=CriticTrainConfig)

@@ -6,10 +6,12 @@ Every method except the validators runs on the server's single model thread (ser
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
 import math
+import os
 import pickle
 import re
 import shutil
@@ -23,7 +25,14 @@ import torch
 
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import naming_the_model, resolve_model
-from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from serving.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    StorageFull,
+)
 from serving.metrics import PassObserver, no_observer
 from serving.modeling import (
     TORCH_DTYPES,
@@ -101,30 +110,7 @@ class CriticCore:
     def load(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        latest = self._start_checkpoint()
-        if latest is not None:
-            path = str(latest)
-            self.source = str(latest.resolve())
-            log.info("resume=latest: resuming from %s, the newest checkpoint in %s (not model=%s)", self.source,
-                     cfg.checkpoint_dir, cfg.model)
-        else:
-            path = resolve_model(cfg.model, key="model")
-            log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
-                     cfg.checkpoint_dir)
-        # float32 weights, which the optimizer updates; its passes compute in `dtype` under autocast (mixed precision)
-        with naming_the_model("model", cfg.model) if latest is None else contextlib.nullcontext():
-            self.model = load_scalar_head_model(path, torch.float32, trust_remote_code=cfg.trust_remote_code)
-            self.tokenizer = load_tokenizer(path, cfg.trust_remote_code)
-        self.model = self.model.to(self.device)
-        self.model_dir = path  # where its own model code (trust_remote_code) lies, copied into each checkpoint
-        self.vocab_size = int(self.model.config.vocab_size)
-        self.max_length = max_length_of(self.model)
-        self.vocab_sha256 = vocab_sha256(self.tokenizer)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        if (Path(path) / OPTIMIZER_FILE).is_file():  # resuming from one of our own checkpoints
-            self._load_training_state(Path(path))
-            log.info("resumed critic optimizer state at train step %d from %s (%d Train request ids remembered)",
-                     self.train_step, path, len(self.window))
+        path = self._load_critic()
         self.model.eval()
         self.normalize_values = reward_normalization(self.model.config, cfg.normalize_values, "normalize_values", path,
                                                      role="critic model", outputs="values")
@@ -166,8 +152,66 @@ class CriticCore:
             yield
 
     def _start_checkpoint(self) -> Path | None:
-        """The checkpoint load() starts from: the newest of this server's with resume=latest, else None."""
-        return newest_checkpoint(Path(self.cfg.checkpoint_dir)) if self.cfg.resume == "latest" else None
+        """The checkpoint load() tries first: the newest of this server's with resume=latest, else None."""
+        found = self._resumable() if self.cfg.resume == "latest" else []
+        return found[0] if found else None
+
+    def _resumable(self) -> list[Path]:
+        """This server's checkpoints in checkpoint_dir, newest first."""
+        return checkpoints_newest_first(Path(self.cfg.checkpoint_dir))
+
+    def _load_critic(self) -> str:
+        """Load the value model, its tokenizer and optimizer: with resume=latest from the newest of this server's
+        checkpoints that loads whole (weights, optimizer state, train step), else from `model`. A checkpoint that
+        cannot be loaded (a save cut short by a full disk, a damaged file) is logged and the next older one tried,
+        so a damaged newest checkpoint neither crash-loops the server nor is passed over silently (the actor then
+        reports the train steps lost, as for any restart); when every checkpoint fails the server exits naming them
+        rather than start again from `model`. Returns the path loaded."""
+        cfg = self.cfg
+        failed: list[str] = []
+        for checkpoint in self._resumable() if cfg.resume == "latest" else []:
+            try:
+                self._load_from(str(checkpoint))
+            except Exception as e:  # noqa: BLE001 - any failure: try the next older checkpoint
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                failed.append(f"{checkpoint} ({reason})")
+                log.error("resume=latest: the checkpoint %s cannot be loaded (%s), trying the next older one",
+                          checkpoint, reason)
+                continue
+            self.source = str(checkpoint.resolve())
+            log.info("resume=latest: resumed from %s at train step %d, the newest checkpoint in %s that loads (not "
+                     "model=%s)", self.source, self.train_step, cfg.checkpoint_dir, cfg.model)
+            if failed:
+                log.error("resume=latest: %d newer checkpoint(s) could not be loaded, so the critic resumed from an "
+                          "older one and the train steps after it are lost: %s", len(failed), "; ".join(failed))
+            return str(checkpoint)
+        if failed:
+            raise SystemExit(f"resume=latest: none of this critic's checkpoints in checkpoint_dir={cfg.checkpoint_dir} "
+                             f"can be loaded: {'; '.join(failed)}. Move the damaged ones out of checkpoint_dir, or "
+                             f"start again from model={cfg.model} with resume=never")
+        log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
+                 cfg.checkpoint_dir)
+        path = resolve_model(cfg.model, key="model")
+        with naming_the_model("model", cfg.model):
+            self._load_from(path)
+        return path
+
+    def _load_from(self, path: str) -> None:
+        """The value model (float32 weights, which the optimizer updates; its passes compute in `dtype` under
+        autocast), tokenizer and optimizer from `path`, with the training state when it is one of our checkpoints."""
+        cfg = self.cfg
+        self.model = load_scalar_head_model(path, torch.float32, trust_remote_code=cfg.trust_remote_code)
+        self.tokenizer = load_tokenizer(path, cfg.trust_remote_code)
+        self.model = self.model.to(self.device)
+        self.model_dir = path  # where its own model code (trust_remote_code) lies, copied into each checkpoint
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_length = max_length_of(self.model)
+        self.vocab_sha256 = vocab_sha256(self.tokenizer)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        if (Path(path) / OPTIMIZER_FILE).is_file():  # one of our own checkpoints
+            self._load_training_state(Path(path))
+            log.info("resumed critic optimizer state at train step %d from %s (%d Train request ids remembered)",
+                     self.train_step, path, len(self.window))
 
     def _load_training_state(self, path: Path) -> None:
         """Optimizer moments, train step and request-id window of checkpoint `path` (at start-up and on Load);
@@ -307,8 +351,8 @@ class CriticCore:
             try:
                 path, _ = self.save(f"{AUTOSAVE_PREFIX}{step}")
                 log.info("autosaved %s", path)
-            except Exception:  # the Train is applied either way; the next autosave or the exit save retries
-                log.exception("autosave at train step %d failed", step)
+            except ServiceError as e:  # the Train is applied either way; the next autosave or the exit save retries
+                log.error("autosave at train step %d failed: %s", step, e)
         return result, False
 
     def save_on_exit(self) -> str | None:
@@ -416,17 +460,24 @@ class CriticCore:
         if tmp.is_symlink():  # never write through a link planted in the checkpoint directory
             tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
-        # transformers >= 5 writes model.safetensors only (its safe_serialization flag is gone): no pickle.
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        copy_remote_code(self.model.config, self.model_dir, tmp)
-        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)  # plain tensors and numbers: weights_only loads it
-        state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
-                 "dedupe_window": self.window.to_json()}
-        (tmp / STATE_FILE).write_text(json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        try:
+            # transformers >= 5 writes model.safetensors only (its safe_serialization flag is gone): no pickle.
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            copy_remote_code(self.model.config, self.model_dir, tmp)
+            torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)  # tensors and numbers: weights_only loads it
+            state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
+                     "dedupe_window": self.window.to_json()}
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never left behind
+            failure = write_failure(e, final)
+            if type(failure) is ServiceError:  # no errno: the traceback is the only clue
+                log.exception("Save %s failed", tag)
+            raise failure from e
         self.unsaved = False
         if self.cfg.keep_last > 0:
             prune_checkpoints(root, self.cfg.keep_last, final, started)
@@ -456,6 +507,36 @@ class CriticCore:
         self.source, self.unsaved = str(path.resolve()), False
         log.info("returned to checkpoint %s at train step %d", path, self.train_step)
         return str(path.resolve()), self.train_step
+
+
+# what a write refused by the file system says where no OSError carries its errno (safetensors: "... (os error 28)")
+_OS_ERROR = re.compile(r"os error (\d+)")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit
+
+
+def write_failure(error: BaseException, final: Path) -> ServiceError:
+    """What a Save reports when writing checkpoint `final` failed, naming the directory and saying that nothing was
+    changed: RESOURCE_EXHAUSTED for a full disk or quota, FAILED_PRECONDITION for another refusal of the file system (a
+    read-only or forbidden directory), INTERNAL with the error's own words otherwise (torch.save's failures carry no
+    errno; a full disk is the likely cause)."""
+    code = None
+    cause: BaseException | None = error
+    while cause is not None and code is None:
+        code = cause.errno if isinstance(cause, OSError) else None
+        if code is None and (found := _OS_ERROR.search(str(cause))):
+            code = int(found.group(1))
+        cause = cause.__cause__ or cause.__context__
+    what = f"could not write the checkpoint {final}"
+    unchanged = "nothing was saved (the half-written files were removed) and the critic is unchanged"
+    if code in DISK_FULL:
+        return StorageFull(f"{what}: {os.strerror(code)}; {unchanged}. Free space under checkpoint_dir {final.parent}, "
+                           f"then Save again")
+    if code is not None:
+        return FailedPrecondition(f"{what}: {os.strerror(code)}; {unchanged}. checkpoint_dir {final.parent} must be a "
+                                  f"writable directory")
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return ServiceError(f"{what}: {type(error).__name__}: {first_line}; {unchanged}. A full disk under checkpoint_dir "
+                        f"{final.parent} is the likely cause")
 
 
 def checkpoint_path(root: Path, tag: str) -> Path:
@@ -493,14 +574,22 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float,
             log.warning("could not remove old checkpoint %s: %s", path, e)
 
 
-def newest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint in root this server wrote last (largest saved_at in its critic_state.json), or None."""
+def checkpoints_newest_first(root: Path) -> list[Path]:
+    """The checkpoints in root this server wrote, the last written first (by the saved_at in their
+    critic_state.json). A directory that holds a critic's optimizer state but no readable critic_state.json cannot be
+    placed in time: it is logged and left out."""
     if not root.is_dir():
-        return None
-    ours = [(saved_at, entry.name, entry) for entry in root.iterdir()
-            if not entry.is_symlink() and entry.is_dir() and not entry.name.startswith(TMP_PREFIX)
-            and (saved_at := _saved_at(entry)) is not None]
-    return max(ours)[2] if ours else None
+        return []
+    ours = []
+    for entry in root.iterdir():
+        if entry.is_symlink() or not entry.is_dir() or entry.name.startswith(TMP_PREFIX):
+            continue
+        if (saved_at := _saved_at(entry)) is not None:
+            ours.append((saved_at, entry.name, entry))
+        elif (entry / OPTIMIZER_FILE).is_file():
+            log.error("%s holds a critic's %s but no readable %s with its saved_at: not resumed from", entry,
+                      OPTIMIZER_FILE, STATE_FILE)
+    return [entry for _, _, entry in sorted(ours, reverse=True)]
 
 
 def _saved_at(directory: Path) -> float | None:

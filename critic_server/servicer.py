@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
-from serving.errors import DeadlineExceeded, InvalidArgument
+from serving.errors import DeadlineExceeded, InvalidArgument, ServiceError
 from serving.server import Service, rpc_method
 from serving.wire import add_parsing_service
 
@@ -142,6 +142,9 @@ class CriticService(Service):
             try:
                 if (path := self.core.save_on_exit()) is not None:
                     log.info("critic saved %s on exit (train step %d)", path, self.core.train_step)
+            except ServiceError as e:  # its reason in one line (a full disk); anything else with its traceback
+                log.error("critic could not save on exit: %s", e)
+                code = code or 1
             except Exception:
                 log.exception("critic could not save on exit")
                 code = code or 1

@@ -26,6 +26,13 @@ class Overloaded(ServiceError):
     http_status = 429
 
 
+class StorageFull(ServiceError):
+    """The server's disk (or its quota) is full: what it was asked to write was not written, and nothing changed."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 507
+
+
 class NotReady(ServiceError):
     """The model is not loaded yet, or the server is shutting down."""
 

@@ -12,6 +12,7 @@ import socket
 import ssl
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
@@ -70,7 +71,7 @@ class ServiceProcess:
 
     def __init__(self, name: str, *extra: str, log_dir: Path, env: dict[str, str] | None = None,
                  grpc_port: int | None = None, http_port: int | None = None, ready_scheme: str = "http",
-                 ready_verify: str | bool = True):
+                 ready_verify: str | bool = True, preexec_fn: Callable[[], None] | None = None):
         self.name = name
         self.grpc_port = (grpc_port or free_port()) if PORTS[name][0] is not None else None
         self.http_port = http_port or free_port()
@@ -79,6 +80,7 @@ class ServiceProcess:
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc: subprocess.Popen | None = None
         self.scheme, self.verify = ready_scheme, ready_verify  # https + a CA bundle for a server with TLS
+        self.preexec_fn = preexec_fn  # run in the child before it starts (resource limits)
 
     @property
     def address(self) -> str:
@@ -92,7 +94,8 @@ class ServiceProcess:
         """Start the process and wait for /ready; `wait=False` returns at once (a client waits for it instead)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - held open for the process lifetime
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=self.preexec_fn)
         if not wait:
             return self
         try:

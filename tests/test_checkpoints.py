@@ -42,6 +42,20 @@ def test_keep_top_k_keeps_the_latest_and_the_best(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
 
 
+def test_keep_top_k_keeps_the_newest_checkpoint_that_holds_its_critic(tmp_path):
+    """Once the critic's Saves fail (its disk full), the checkpoints after hold no critic: the newest one that does
+    is kept whatever its metric, so the run can still resume exactly from it."""
+    for step, metric in ((1, 0.1), (2, 0.2), (3, 0.9), (4, 0.8), (5, 0.7)):
+        d = make(tmp_path, step, metric)
+        if step >= 3:
+            state = json.loads((d / checkpoints.STATE_FILE).read_text())
+            state["critic_unsaved"] = {"error": "disk full", "instance_id": "a", "train_step": step}
+            (d / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    assert [checkpoints.holds_its_critic(tmp_path / f"step_{s}") for s in (2, 3)] == [True, False]
+    checkpoints.prune(tmp_path, CheckpointingConfig(keep_top_k=1, metric_name="val/rewards"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_5"]
+
+
 def test_retention_and_deadline_settings_are_checked():
     with pytest.raises(ValueError, match="checkpointing.keep_top_k needs checkpointing.metric_name"):
         CheckpointingConfig(keep_top_k=3)

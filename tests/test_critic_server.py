@@ -772,7 +772,26 @@ def test_a_critic_restarted_on_its_checkpoint_dir_resumes_and_remembers_request_
         assert again == replies[2]
         assert _info(stub).train_step == 3
         assert stub.Train(_with_id(train_request(tokens, 3.0), "run-b/3/0"), timeout=120).train_step == 4
-    assert "resume=latest: resuming from" in second.log()
+    assert "resume=latest: resumed from" in second.log() and "at train step 3" in second.log()
+
+    # Damaged checkpoints (a save cut short, a bad copy): the newest that loads is resumed, each skipped one logged;
+    # before, a damaged newest one failed every start (a crash loop) or was passed over silently.
+    assert (ckpt / "autosave-4").is_dir()
+    weights = ckpt / "autosave-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (ckpt / "autosave-3" / "critic_state.json").write_text("{not json")
+    with ServiceProcess("critic", *args, log_dir=log_dir) as third, channel(third.address) as ch:
+        assert _info(critic_pb2_grpc.CriticServiceStub(ch)).train_step == 2
+    assert f"the checkpoint {ckpt / 'autosave-4'} cannot be loaded (SafetensorError" in third.log()
+    assert f"{ckpt / 'autosave-3'} holds a critic's optimizer.pt but no readable critic_state.json" in third.log()
+    assert "1 newer checkpoint(s) could not be loaded, so the critic resumed from an older one" in third.log()
+    # none loads: the server stops naming them, rather than start again from its model and lose the training
+    (ckpt / "autosave-2" / "optimizer.pt").write_bytes(b"\x00" * 10)
+    broken = subprocess.run(ServiceProcess("critic", *args, log_dir=log_dir).argv, cwd=ROOT, capture_output=True,
+                            text=True, timeout=180, check=False)
+    assert broken.returncode != 0 and "none of this critic's checkpoints in checkpoint_dir=" in broken.stderr, \
+        broken.stderr[-3000:]
+    assert str(ckpt / "autosave-2") in broken.stderr and "resume=never" in broken.stderr
 
     with ServiceProcess("critic", *args, "resume=never", log_dir=log_dir) as fresh, channel(fresh.address) as ch:
         stub = critic_pb2_grpc.CriticServiceStub(ch)

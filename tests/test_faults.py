@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from actor import checkpoints
 from actor.clients import DRAIN_OUTAGE_S, CriticClient, RemoteError
 from actor.config import RemoteConfig
 from ppo_services.v1 import critic_pb2, critic_pb2_grpc
@@ -173,6 +174,50 @@ def test_a_critic_that_restarts_from_scratch_is_reported_with_the_steps_it_lost(
     lost = re.findall(r"it resumed at train step (\d+), the last reply was at (\d+), so (\d+) critic optimizer steps "
                       r"were lost", out)
     assert lost == [("0", str(int(last_old)), str(int(last_old)))], (lost, last_old)
+
+
+def test_checkpoints_whose_critic_save_failed_resume_only_with_the_critic_where_they_left_it(reward, log_dir, tmp_path):
+    """The critic's disk is full (a file size limit of 100 kB, below its weights): every Save fails. The actor keeps
+    its own checkpoints, each recording where it left the critic, and the critic leaves no half-written directory.
+    A resume against the same critic process, still at that train step, goes on; after the critic restarted (its
+    training lost) the resume stops, saying why and what to do, instead of pairing the policy with another critic."""
+    ckpt = tmp_path / "critic-ckpt"
+    critic = ServiceProcess("critic", "--checkpoint-dir", str(ckpt), log_dir=log_dir,
+                            preexec_fn=_file_size_limit(100_000)).start()
+    run_dir = tmp_path / "run"
+
+    def actor(steps: int) -> subprocess.CompletedProcess:
+        return subprocess.run(actor_command("ppo", run_dir, f"reward.address={reward.address}",
+                                            f"critic.address={critic.address}", f"ppo.max_num_steps={steps}", *PPO_RUN,
+                                            "checkpointing.save_period=1"),
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+
+    try:
+        first = actor(2)
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert "checkpoint of step 2 without the critic" in first.stderr, first.stderr[-3000:]
+        assert "RESOURCE_EXHAUSTED: could not write the checkpoint" in first.stderr, first.stderr[-3000:]
+        assert "File too large; nothing was saved" in first.stderr, first.stderr[-3000:]
+        assert list(ckpt.iterdir()) == []  # no .tmp-* left behind
+        assert not checkpoints.holds_its_critic(run_dir / "checkpoints" / "step_2")
+
+        again = actor(3)  # the same critic process at the same train step: exact
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "is still where that step left it (the same process, train step 2)" in again.stderr
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["critic/train_step"] for r in rows] == [1.0, 2.0, 3.0]
+    finally:
+        critic.stop()
+    critic = ServiceProcess("critic", "--checkpoint-dir", str(ckpt), grpc_port=critic.grpc_port, log_dir=log_dir).start()
+    try:
+        lost = actor(4)
+    finally:
+        critic.stop()
+    assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
+    assert (f"{run_dir / 'checkpoints' / 'step_3'} holds no critic checkpoint (the critic's Save failed: "
+            in lost.stderr), lost.stderr[-3000:]
+    assert "(train step 3 of process" in lost.stderr and "now train step 0 of process" in lost.stderr
+    assert "no earlier checkpoint of this run holds its critic: start over (checkpointing.resume=never)" in lost.stderr
 
 
 class NetworkPath:
