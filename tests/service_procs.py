@@ -95,7 +95,7 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - held open for the process lifetime
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=self.preexec_fn)
+                                     preexec_fn=self.preexec_fn)  # noqa: PLW1509 - resource limits only
         if not wait:
             return self
         try:
