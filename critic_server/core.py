@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch): ASCII only, no '/'
 TAG_RULE = "1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
 TMP_PREFIX = ".tmp-"  # cannot collide with a tag, which never starts with '.'
+OLD_PREFIX = ".old-"  # a checkpoint being replaced by a Save of the same tag, until the new one is in place
 AUTOSAVE_PREFIX = "autosave-"  # the tags the critic gives its own checkpoints (autosave_every)
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
@@ -469,9 +470,19 @@ class CriticCore:
             state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
                      "dedupe_window": self.window.to_json()}
             (tmp / STATE_FILE).write_text(json.dumps(state))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            replaced = root / f"{OLD_PREFIX}{tag}"
+            if final.exists():  # moved aside, not deleted, until the new one is in place: a failure keeps it
+                if replaced.is_symlink():
+                    replaced.unlink()
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
+            try:
+                tmp.rename(final)
+            except OSError:
+                if replaced.exists() and not final.exists():
+                    replaced.rename(final)
+                raise
+            shutil.rmtree(replaced, ignore_errors=True)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never left behind
             failure = write_failure(e, final)
@@ -560,7 +571,7 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float,
     for entry in root.iterdir():
         if entry.is_symlink() or not entry.is_dir():
             continue
-        if entry.name.startswith(TMP_PREFIX):
+        if entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
             if entry.stat().st_mtime < started:
                 stale.append(entry)
         elif entry != current and entry.name.startswith(prefix) and (saved_at := _saved_at(entry)) is not None:
@@ -582,7 +593,7 @@ def checkpoints_newest_first(root: Path) -> list[Path]:
         return []
     ours = []
     for entry in root.iterdir():
-        if entry.is_symlink() or not entry.is_dir() or entry.name.startswith(TMP_PREFIX):
+        if entry.is_symlink() or not entry.is_dir() or entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
             continue
         if (saved_at := _saved_at(entry)) is not None:
             ours.append((saved_at, entry.name, entry))

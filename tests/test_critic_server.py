@@ -226,6 +226,12 @@ def test_save_writes_a_checkpoint_transformers_loads(critic, stub):
     assert not [p.name for p in (critic.ckpt / "step_7").iterdir() if p.suffix in (".bin", ".pkl", ".pickle")]
     state = json.loads((critic.ckpt / "step_7" / "critic_state.json").read_text())
     assert state["train_step"] == reply.train_step and isinstance(state["saved_at"], float)
+    # the same tag again replaces it; the old one is moved aside until the new one is in place, then removed
+    stub.Train(train_request(tokens, 1.0), timeout=120)
+    again = stub.Save(critic_pb2.SaveRequest(tag="step_7"), timeout=120)
+    assert again.train_step == reply.train_step + 1
+    assert json.loads((critic.ckpt / "step_7" / "critic_state.json").read_text())["train_step"] == again.train_step
+    assert not list(critic.ckpt.glob(".old-*")) and not list(critic.ckpt.glob(".tmp-*"))
 
 
 def _tree(root) -> list[str]:
@@ -248,6 +254,7 @@ def test_save_does_not_follow_links_or_replace_foreign_directories(critic, stub,
     outside.mkdir()
     (critic.ckpt / "linked").symlink_to(outside, target_is_directory=True)
     (critic.ckpt / ".tmp-planted").symlink_to(outside, target_is_directory=True)
+    (critic.ckpt / ".old-planted").symlink_to(outside, target_is_directory=True)
     (critic.ckpt / "notes").mkdir()
     (critic.ckpt / "notes" / "keep.txt").write_text("mine")
     try:
@@ -255,11 +262,12 @@ def test_save_does_not_follow_links_or_replace_foreign_directories(critic, stub,
         expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="notes"), "tag", "not a critic checkpoint")
         reply = stub.Save(critic_pb2.SaveRequest(tag="planted"), timeout=120)  # its temp dir name was a link
         assert reply.path == str((critic.ckpt / "planted").resolve())
+        stub.Save(critic_pb2.SaveRequest(tag="planted"), timeout=120)  # replacing it moves it aside: a link there too
         assert (critic.ckpt / "planted" / "model.safetensors").is_file() and not (critic.ckpt / ".tmp-planted").exists()
         assert list(outside.iterdir()) == []
         assert (critic.ckpt / "notes" / "keep.txt").read_text() == "mine"
     finally:
-        for name in ("linked", ".tmp-planted"):
+        for name in ("linked", ".tmp-planted", ".old-planted"):
             if (critic.ckpt / name).is_symlink():
                 (critic.ckpt / name).unlink()
         shutil.rmtree(critic.ckpt / "notes")
