@@ -317,7 +317,7 @@ class DataConfig(StrictModel):
     label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt; dotted as prompt_key (verl's reward_model.ground_truth).")
     max_input_seq_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch.")
-    prompt_file: str | None = Field(None, description="A text file holding a template with one {} where each string prompt goes (NeMo-RL's data.prompt_file; other braces doubled, as in Python's str.format); null uses the prompts as they are.")
+    prompt_file: str | None = Field(None, description="A text file holding a template with one {} where each string prompt goes (NeMo-RL's data.prompt_file; other braces doubled, as in Python's str.format); null uses the prompts as they are. A prompt given as a list of messages has no place for it and is refused naming its line.")
     apply_chat_template: bool = Field(False, description="Render each string prompt (after prompt_file) as one user message through the policy tokenizer's chat template, with the generation prompt; a prompt given as a list of {role, content} messages is always rendered so.")
     system_prompt_file: str | None = Field(None, description="A text file whose content becomes the system message of every chat-rendered prompt (NeMo-RL's data.system_prompt_file); needs apply_chat_template.")
 

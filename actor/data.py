@@ -82,6 +82,10 @@ class PromptFormat:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in value)):
             raise ValueError("expected a non-empty string or a non-empty list of {\"role\": str, \"content\": str} messages")
+        elif self.template is not None:  # silently left out before: the instructions never reached the policy
+            raise ValueError("data.prompt_file formats string prompts (its {} takes the prompt), and this prompt is a "
+                             "list of messages: write the instructions into the messages (or the system message, "
+                             "data.system_prompt_file), or drop data.prompt_file")
         if value[-1]["role"] == "assistant":
             raise ValueError("the conversation ends with an assistant message: a prompt ends where the policy's "
                              "answer begins (drop the reference answer from the messages; it can be the label)")

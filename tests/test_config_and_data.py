@@ -214,17 +214,22 @@ def test_prompts_become_chat_messages_through_the_tokenizer_s_template(tmp_path,
     path.write_text('{"prompt": "river castle", "label": 1}\n'
                     '{"prompt": [{"role": "user", "content": "river"}]}\n'
                     '{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "city"}]}\n')
-    fmt = PromptFormat.from_files(str(tmp_path / "template.txt"), True, str(tmp_path / "system.txt"))
+    fmt = PromptFormat.from_files(None, True, str(tmp_path / "system.txt"))
     prompts = load_prompts(path, "prompt", chat_tokenizer, 64, fmt=fmt)
-    texts = ["<system> be kind\n<user> river castle =>\n<assistant> ",
+    texts = ["<system> be kind\n<user> river castle\n<assistant> ",
              "<system> be kind\n<user> river\n<assistant> ",
              "<system> be brief\n<user> city\n<assistant> "]
     assert [p.ids for p in prompts] == [chat_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert [p.label for p in prompts] == [1, None, None]
+    plain = load_prompts(path, "prompt", chat_tokenizer, 64, fmt=PromptFormat())
+    assert plain[1].ids == chat_tokenizer("<user> river\n<assistant> ", add_special_tokens=False)["input_ids"]
+    path.write_text('{"prompt": "river castle", "label": 1}\n')
+    with_template = PromptFormat.from_files(str(tmp_path / "template.txt"), True, str(tmp_path / "system.txt"))
+    assert load_prompts(path, "prompt", chat_tokenizer, 64, fmt=with_template)[0].ids == chat_tokenizer(
+        "<system> be kind\n<user> river castle =>\n<assistant> ", add_special_tokens=False)["input_ids"]
     plain = load_prompts(path, "prompt", chat_tokenizer, 64, fmt=PromptFormat.from_files(str(tmp_path / "template.txt"),
                                                                                          False, None))
     assert plain[0].ids == chat_tokenizer("river castle =>", add_special_tokens=False)["input_ids"]
-    assert plain[1].ids == chat_tokenizer("<user> river\n<assistant> ", add_special_tokens=False)["input_ids"]
 
 
 def test_texts_encode_as_the_tokenizer_encodes_a_text_on_its_own(embedded_assets):
@@ -281,6 +286,20 @@ def test_chat_prompt_errors_name_file_and_line(tmp_path, chat_tokenizer, line, c
         load_prompts(path, "prompt", chat_tokenizer, 64, fmt=PromptFormat(chat=chat))
     for w in [str(path), *words]:
         assert w in str(err.value)
+
+
+def test_a_prompt_template_with_message_prompts_is_refused_naming_the_line(tmp_path, chat_tokenizer):
+    """data.prompt_file's {} takes a string prompt; a line whose prompt is a list of messages left it out silently,
+    so the template's instructions never reached the policy."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "river"}\n{"prompt": [{"role": "user", "content": "river"}]}\n')
+    fmt = PromptFormat(template="Answer briefly: {}", chat=True)
+    with pytest.raises(DataError) as err:
+        load_prompts(path, "prompt", chat_tokenizer, 64, fmt=fmt)
+    for w in [f"{path}:2:", "data.prompt_file formats string prompts", "data.system_prompt_file"]:
+        assert w in str(err.value), str(err.value)
+    path.write_text('{"prompt": "river"}\n')
+    assert load_prompts(path, "prompt", chat_tokenizer, 64, fmt=fmt)[0].messages[-1]["content"] == "Answer briefly: river"
 
 
 def test_chat_prompts_without_a_chat_template_and_bad_prompt_files_are_refused(tmp_path, tokenizer):
