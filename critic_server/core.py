@@ -59,7 +59,7 @@ from serving.prepack import KeptPacking, prepacks_passes
 from serving.validation import check_lengths, check_per_action, check_tokens
 
 from .config import CriticConfig
-from .dedupe import Ticket, TrainResult, TrainWindow
+from .dedupe import Ticket, TrainResult, TrainWindow, same_request
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class TrainInput:
     value_clip: float
     loss_scale: float
     epochs: int = 1  # passes over the batch
+    fingerprint: str = ""  # of the request it came in (dedupe.fingerprint), kept with its result under its id
 
 
 class CriticCore:
@@ -338,12 +339,12 @@ class CriticCore:
         if not ticket.start():
             return None
         if request_id and (stored := self.window.get(request_id)) is not None:
-            return stored, True
+            return same_request(request_id, stored, batch.fingerprint), True
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline exceeded before the model worker reached this Train; not applied")
         step_before = self.train_step
         loss, metrics, step = self.train(batch)
-        result = TrainResult(loss, metrics, step)
+        result = TrainResult(loss, metrics, step, batch.fingerprint)
         if request_id and self.cfg.train.dedupe_window > 0:
             self.window.put(request_id, result)
         self.unsaved = True

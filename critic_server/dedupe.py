@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+
+from google.protobuf.message import Message
 
 from serving.errors import InvalidArgument
 
@@ -20,11 +23,32 @@ REQUEST_ID_MAX = 256
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a Train answers: mean loss, metrics, and the train step reached."""
+    """What a Train answers: mean loss, metrics, and the train step reached; with the fingerprint of the request it
+    answers (its payload without the id), so that a repeat can be told from another request under the same id."""
 
     loss: float
     metrics: dict[str, float]
     train_step: int
+    fingerprint: str = ""  # "" where unknown (a window stored before fingerprints were kept)
+
+
+def fingerprint(request: Message) -> str:
+    """SHA-256 of a Train request's payload without its request_id (deterministic serialization)."""
+    payload = type(request)()
+    payload.CopyFrom(request)
+    payload.ClearField("request_id")
+    return hashlib.sha256(payload.SerializeToString(deterministic=True)).hexdigest()
+
+
+def same_request(request_id: str, stored: TrainResult, request_fingerprint: str) -> TrainResult:
+    """The stored result, if it answered this request; InvalidArgument naming the id when the same id came with
+    another payload (another step's batch, another client reusing ids), which would otherwise get a reply computed
+    for other data and train nothing."""
+    if stored.fingerprint and request_fingerprint and stored.fingerprint != request_fingerprint:
+        raise InvalidArgument(f"request_id: {request_id!r} was applied already to another Train request (other tokens, "
+                              f"returns, mask or settings; reached train step {stored.train_step}); a repeat must send "
+                              f"the same request, and a new request needs a new id")
+    return stored
 
 
 def check_request_id(request_id: str) -> str:
@@ -68,7 +92,7 @@ class TrainWindow:
                 self._results.clear()
         for request_id, result in entries:
             self.put(str(request_id), TrainResult(float(result["loss"]), {k: float(v) for k, v in result["metrics"].items()},
-                                                  int(result["train_step"])))
+                                                  int(result["train_step"]), str(result.get("fingerprint", ""))))
 
     def __len__(self) -> int:
         return len(self._results)
@@ -106,20 +130,22 @@ class TrainGate:
         self.window = window
         self._in_flight: dict[str, asyncio.Future] = {}
 
-    async def run(self, request_id: str, train: Callable[[], Awaitable[tuple[TrainResult, bool]]]) -> tuple[TrainResult, bool]:
+    async def run(self, request_id: str, request_fingerprint: str,
+                  train: Callable[[], Awaitable[tuple[TrainResult, bool]]]) -> tuple[TrainResult, bool]:
         """(result, whether it is a repeat's stored result). `train()` applies the request on the model worker
-        and returns the same pair (a repeat found there by the model thread's own check)."""
+        and returns the same pair (a repeat found there by the model thread's own check). A repeat whose payload
+        (`request_fingerprint`) differs from the first call's is InvalidArgument."""
         if not request_id:
             return await train()
         while True:
             if (stored := self.window.get(request_id)) is not None:
-                return stored, True
+                return same_request(request_id, stored, request_fingerprint), True
             first = self._in_flight.get(request_id)
             if first is None:
                 break
             await asyncio.wait([first])  # our own cancellation propagates; the first call's failure does not
             if not first.cancelled() and first.exception() is None:
-                return first.result(), True
+                return same_request(request_id, first.result(), request_fingerprint), True
         mine = asyncio.get_running_loop().create_future()
         self._in_flight[request_id] = mine
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -17,7 +18,7 @@ from serving.wire import add_parsing_service
 
 from .config import CriticConfig
 from .core import CriticCore
-from .dedupe import Ticket, TrainGate, TrainResult, check_request_id
+from .dedupe import Ticket, TrainGate, TrainResult, check_request_id, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
             loss_scale=optional(request, "loss_scale"),
             epochs=optional(request, "epochs"),
         )
+        if request_id:  # a repeat must be the same request (dedupe.same_request)
+            batch = dataclasses.replace(batch, fingerprint=fingerprint(request))
 
         async def apply() -> tuple[TrainResult, bool]:
             if deadline is not None and time.monotonic() >= deadline:
@@ -87,7 +90,7 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
                     self.service.metrics_expired.inc()
                 raise
 
-        result, duplicate = await self.gate.run(request_id, apply)
+        result, duplicate = await self.gate.run(request_id, batch.fingerprint, apply)
         if duplicate:
             self.service.metrics_duplicates.inc()
         else:

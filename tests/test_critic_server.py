@@ -693,6 +693,11 @@ def test_a_train_sent_twice_with_the_same_request_id_is_applied_once(critic, stu
     assert _info(stub).train_step == step0 + 1
     torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)  # weights changed once
     assert _metric(critic, "ppo_critic_duplicate_trains_total") == duplicates + 1
+    # the same id with another payload (another step's returns): refused, not answered with the first call's reply
+    expect_invalid(stub.Train, _with_id(train_request(tokens, 5.0), "run-a/7/0"), "request_id: 'run-a/7/0' was "
+                   "applied already to another Train request", "a new request needs a new id")
+    assert _info(stub).train_step == step0 + 1
+    torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)
 
 
 def test_concurrent_duplicates_are_applied_once(critic, stub):

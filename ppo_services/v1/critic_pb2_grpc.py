@@ -80,7 +80,8 @@ class CriticServiceServicer:
         """One pass of critic training over the batch: clipped value loss, one optimizer step per
         global batch, gradient clipping. Serialized with Infer and Save in arrival order.
         At most once per `request_id`: a repeat of an id already applied (or still queued or running)
-        gets the first call's TrainResponse and trains nothing. A call whose deadline has passed before
+        gets the first call's TrainResponse and trains nothing; the same id with another payload is
+        INVALID_ARGUMENT and trains nothing. A call whose deadline has passed before
         the model worker reaches it is not applied and fails with DEADLINE_EXCEEDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
