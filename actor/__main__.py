@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import sys
 
 from serving.config import parse_cli
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         trainer.fit()
+        # the run is complete and checkpointed: a SIGTERM from here on (a pod deleted as the job ends) would otherwise
+        # end the process by the signal while it closes, or while the interpreter shuts down
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except (RemoteError, IncompatibleServer, DynamicSamplingError, MissingRewardComponents, BadEnvironment,
             RolloutWorkerError, PolicyDiverged) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,7 +32,12 @@ Scores = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class RemoteError(RuntimeError):
-    """A remote call failed; the message names the server, the call and the gRPC status."""
+    """A remote call failed; the message names the server, the call and the gRPC status (`code`, where the server
+    answered with one)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class IncompatibleServer(RuntimeError):
@@ -82,7 +87,7 @@ class Pending(Generic[T]):
                 return self._convert(self._call.result())
             except grpc.RpcError as e:
                 if e.code() not in OUTAGE_CODES or self._outage_s <= 0:
-                    raise RemoteError(f"{self._what} failed: {e.code().name}: {e.details()}") from None
+                    raise RemoteError(f"{self._what} failed: {e.code().name}: {e.details()}", e.code()) from None
                 now = time.monotonic()
                 outage_since = outage_since or now
                 if draining.is_set() and now + delay - outage_since > min(self._outage_s, DRAIN_OUTAGE_S):
@@ -172,7 +177,11 @@ def unreachable_reason(e: grpc.RpcError) -> str:
             return "connection refused: nothing listens on that port"
         if "dns" in low or "resolv" in low or "name or service not known" in low:
             return "the host name does not resolve"
-        if "http" in low or "socket closed" in low or "protocol" in low or "frame" in low:
+        if "http1" in low:
+            return f"something answers on that port, but not a gRPC server ({details})"
+        if "socket closed" in low or "stream removed" in low or "connection reset" in low or "broken pipe" in low:
+            return f"the connection broke: the server stopped or restarted while the call ran ({details})"
+        if "http" in low or "protocol" in low or "frame" in low:
             return f"something answers on that port, but not a gRPC server ({details})"
         if "ssl" in low or "tls" in low or "handshake" in low or "certificate" in low:
             return f"the TLS handshake failed ({details})"
@@ -215,13 +224,6 @@ def wait_for_info(name: str, cfg: RemoteConfig, get_info: Callable, request) -> 
                 next_log = now + _WAIT_LOG_EVERY_S
         time.sleep(delay)
         delay = min(delay * 2, 1.0)
-
-
-def _call(what: str, fn, request, timeout: float):
-    try:
-        return fn(request, timeout=timeout)
-    except grpc.RpcError as e:
-        raise RemoteError(f"{what} failed: {e.code().name}: {e.details()}") from None
 
 
 @dataclass
@@ -283,14 +285,18 @@ class CriticClient(_ServerClient):
         return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step, r.instance_id),
                         f"{self.what} Train", self.cfg, "critic", retry=bool(request_id))
 
-    def save(self, tag: str) -> str:
-        """Checkpoint the critic; returns the directory written on the server."""
-        return _call(f"{self.what} Save", self.stub.Save, critic_pb2.SaveRequest(tag=tag), self.cfg.timeout_s).path
+    def save(self, tag: str, retry: bool = True) -> str:
+        """Checkpoint the critic; returns the directory written on the server. With `retry`, retried through an
+        outage like the idempotent calls: a Save of the same tag writes the same checkpoint again (a critic that
+        restarted in between writes the state it resumed, which the next step's restart check reports)."""
+        return retrying(self.stub.Save, critic_pb2.SaveRequest(tag=tag), lambda r: r.path, f"{self.what} Save",
+                        self.cfg, "critic", retry=retry).result()
 
     def load(self, tag: str) -> tuple[str, int]:
-        """Return the critic to its checkpoint `tag`; returns (path, train_step)."""
-        reply = _call(f"{self.what} Load", self.stub.Load, critic_pb2.LoadRequest(tag=tag), self.cfg.timeout_s)
-        return reply.path, reply.train_step
+        """Return the critic to its checkpoint `tag`; returns (path, train_step). Retried through an outage (a Load
+        of the same tag twice ends in the same state)."""
+        return retrying(self.stub.Load, critic_pb2.LoadRequest(tag=tag), lambda r: (r.path, r.train_step),
+                        f"{self.what} Load", self.cfg, "critic").result()
 
 
 class RewardClient(_ServerClient):

@@ -310,15 +310,23 @@ def require_labels(prompts: list[Prompt], label_key: str, why: str) -> None:
         raise DataError(f"{missing.where}: no {label_key!r} (data.label_key; null counts as none), but {why}")
 
 
+RUN_ID_FILE = "run_id"
+
+
 def run_id_of(run_dir: Path) -> str:
     """The run's id: made once (12 hex digits) and kept in <run_dir>/run_id, so a restart in the same run_dir keeps
     it. It names the run's critic checkpoints and its Train requests."""
-    path = run_dir / "run_id"
+    path = run_dir / RUN_ID_FILE
     if path.is_file():
         return path.read_text().strip()
+    return new_run_id(run_dir)
+
+
+def new_run_id(run_dir: Path) -> str:
+    """A new id for the run in run_dir, replacing the one kept there."""
     import uuid
 
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex[:12]
-    path.write_text(run_id + "\n")
+    (run_dir / RUN_ID_FILE).write_text(run_id + "\n")
     return run_id

@@ -91,10 +91,6 @@ class Servers:
             check_compatible("critic", critic_info, sha, vocab, needed, why)
             self.max_length = min(self.max_length, critic_info.max_length)  # it values whole multi-turn episodes
             self.critic_seen = (critic_info.instance_id, critic_info.train_step)
-            if critic_info.train_step:
-                log.warning("the critic server %s has taken %d optimizer steps already (its own checkpoint, resumed, "
-                            "or another run's training): this run trains it on from there", cfg.critic.address,
-                            critic_info.train_step)
         labelled = all(p.label is not None for p in self.train_prompts)
         if cfg.env.name is not None and not cfg.env.uses_reward_server:
             log.info("env.name=%s gives the rewards: no reward server is used", cfg.env.name)

@@ -17,6 +17,7 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -56,7 +57,15 @@ from .advantages import AdvantageInputs, RewardPipeline, build_advantages
 from .async_rollouts import AsyncRollouts, RolloutWorkerError, SyncRollouts
 from .clients import IncompatibleServer, RemoteError, TrainResult, draining
 from .config import ActorConfig, PolicyConfig
-from .data import PromptFormat, PromptSampler, existing_prompt_file, load_prompts, run_id_of
+from .data import (
+    RUN_ID_FILE,
+    PromptFormat,
+    PromptSampler,
+    existing_prompt_file,
+    load_prompts,
+    new_run_id,
+    run_id_of,
+)
 from .environments import BadEnvironment
 from .generation import SamplingParams, TorchGenerationBackend, eos_token_ids
 from .models import load_models, padding_id
@@ -171,6 +180,7 @@ class PPOTrainer:
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 
+        self.run_id_kept = (self.run_dir / RUN_ID_FILE).is_file()  # an earlier start of this run made it
         self.run_id = run_id_of(self.run_dir)
         # the ids this run can send: prompts and pad are held to the embedding rows, as sampling is
         self.servers = Servers(cfg, self.tokenizer, max_length_of(self.policy), self.train_prompts, self.val_prompts,
@@ -195,7 +205,7 @@ class PPOTrainer:
         self.estimator, self.finish_advantages = build_advantages(p.adv_estimator)
         self.shape_rewards = RewardPipeline(cfg)
         self.kl_coef = p.kl_controller.init_kl_coef  # beta of the KL in the reward, moved by an adaptive controller
-        self.start_step = self.restore(self.resume_from) if self.resume_from else 0
+        self.start_step = self.restore(self.resume_from) if self.resume_from else self._start_the_critic()
         self.tracker = MetricsTracker(self.run_dir, p.max_num_steps, self.registry, cfg.logger.tensorboard_enabled,
                                       resume_step=self.start_step if self.resume_from else None)
 
@@ -455,10 +465,12 @@ class PPOTrainer:
         return "\n".join(lines)
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, metrics: dict[str, float] | None = None) -> Path:
+    def save_checkpoint(self, step: int, metrics: dict[str, float] | None = None, wait_for_critic: bool = True) -> Path:
         """<run_dir>/checkpoints/step_N/: the policy (Hugging Face format), optimizer, random states and
         trainer_state.json, everything an exact resume needs (actor/checkpoints.py); checkpoint.json names the
-        critic checkpoint the critic server wrote for the same step. Written as tmp_step_N, then renamed."""
+        critic checkpoint the critic server wrote for the same step. Written as tmp_step_N, then renamed. The
+        critic's Save waits out an outage unless `wait_for_critic` is off (a run ending on a server's outage, which
+        it has waited out already)."""
         root = self.run_dir / "checkpoints"
         tmp, final = root / f"tmp_step_{step}", root / f"step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -466,7 +478,7 @@ class PPOTrainer:
         critic_tag, critic_path, unsaved = f"{self.run_id}-step_{step}", None, {}  # the run's namespace on the critic
         if self.critic is not None:
             try:
-                critic_path = self.critic.save(critic_tag)
+                critic_path = self.critic.save(critic_tag, retry=wait_for_critic)
             except RemoteError as e:  # the actor's own state is still worth keeping, with where it left the critic
                 log.error("checkpoint of step %d without the critic: %s", step, e)
                 instance, train_step = self.servers.critic_seen
@@ -517,20 +529,59 @@ class PPOTrainer:
                  state["consumed_samples"])
         return int(state["step"])
 
+    def _start_the_critic(self) -> int:
+        """A run that starts at step 1 checkpoints the critic as it finds it (`<run_id>-step_0`, with checkpointing
+        on). The same command started again before the run's first checkpoint was complete (its process killed
+        early) returns the critic there, so the run starts again exactly as it first did: the critic had trained on
+        the dead attempt's steps, and its request ids were taken. Without that checkpoint the run goes on under a new
+        run id, with the critic as it is. Returns 0, the step the run resumes after."""
+        if self.critic is None:
+            return 0
+        tag, train_step = f"{self.run_id}-step_0", self.servers.critic_seen[1]
+        if self.run_id_kept:
+            try:
+                path, train_step = self.critic.load(tag)
+            except RemoteError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                old, self.run_id = self.run_id, new_run_id(self.run_dir)
+                log.warning("run %s starts again at step 1 (no checkpoint of it is complete), and the critic holds no "
+                            "checkpoint of its start (%s): it goes on as run %s, with the critic as it is",
+                            old, tag, self.run_id)
+            else:
+                self.servers.critic_returned_to(train_step)
+                log.info("run %s starts again at step 1 (no checkpoint of it is complete): the critic returned to %s, "
+                         "where the run first found it (train step %d)", self.run_id, path, train_step)
+                return 0
+        if train_step:
+            log.warning("the critic server %s has taken %d optimizer steps already (its own checkpoint, resumed, or "
+                        "another run's training): this run trains it on from there", self.cfg.critic.address,
+                        train_step)
+        if self.cfg.checkpointing.enabled:
+            try:
+                self.critic.save(tag)
+            except RemoteError as e:  # the run itself can go on
+                log.error("the critic's state at the run's start could not be saved, so a restart before the first "
+                          "checkpoint goes on with the critic as it then is: %s", e)
+        return 0
+
     def _resume_without_a_critic_checkpoint(self, directory: Path, state: dict[str, Any]) -> None:
         """A checkpoint whose critic Save failed resumes exactly only if the critic is still where that step left it:
-        the same process (instance id) at the same train step. Otherwise it stops naming the newest checkpoint that
-        holds its critic. A checkpoint of a run without a critic (or written before this was recorded) keeps the
-        critic as it is, with a warning."""
+        at the same train step (the same process, or one that resumed its own checkpoint of that step; a critic serves
+        one run, so no one else took it there). Otherwise it stops naming the newest checkpoint that holds its critic.
+        A checkpoint of a run without a critic (or written before this was recorded) keeps the critic as it is, with
+        a warning."""
         unsaved = state.get("critic_unsaved")
         if unsaved is None:
             log.warning("%s holds no critic checkpoint: the critic keeps its present weights", directory)
             return
         instance, train_step = self.servers.critic_seen
-        if (instance, train_step) == (unsaved["instance_id"], unsaved["train_step"]):
+        if train_step == unsaved["train_step"]:  # a critic serves one run: no one else took it to that step
+            how = ("the same process" if instance == unsaved["instance_id"] else
+                   "a restart that resumed its own checkpoint of that step")
             log.info("%s holds no critic checkpoint (its Save failed), but the critic server %s is still where that "
-                     "step left it (the same process, train step %d): resuming with it as it is", directory,
-                     self.cfg.critic.address, train_step)
+                     "step left it (%s, train step %d): resuming with it as it is", directory,
+                     self.cfg.critic.address, how, train_step)
             return
         paired = [p for p in checkpoints.complete_checkpoints(directory.parent)
                   if checkpoints.step_of(p) < state["step"] and checkpoints.holds_its_critic(p)]
@@ -568,7 +619,7 @@ class PPOTrainer:
             except STOPS_THE_RUN as e:  # keep what is done, then stop; never over a checkpoint already written (it
                 # may hold the critic's, which is now out of reach)
                 if cfg.checkpointing.enabled and step - 1 > self.start_step and not self._checkpointed(step - 1):
-                    path = self.save_checkpoint(step - 1)
+                    path = self.save_checkpoint(step - 1, wait_for_critic=False)
                     why = next(text for cls, text in RUN_ENDING_FAILURES.items() if isinstance(e, cls))
                     self.tracker.write(f"{why}: checkpoint of step {step - 1} at {path}")
                 raise

@@ -67,6 +67,7 @@ _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched whole (fullmat
 TAG_RULE = "1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit"
 TMP_PREFIX = ".tmp-"  # cannot collide with a tag, which never starts with '.'
 OLD_PREFIX = ".old-"  # a checkpoint being replaced by a Save of the same tag, until the new one is in place
+LEFTOVER_AGE_S = 60.0  # a .tmp-* or .old-* directory untouched this long at start-up is a Save's leftover
 AUTOSAVE_PREFIX = "autosave-"  # the tags the critic gives its own checkpoints (autosave_every)
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
@@ -162,6 +163,32 @@ class CriticCore:
         """This server's checkpoints in checkpoint_dir, newest first."""
         return checkpoints_newest_first(Path(self.cfg.checkpoint_dir))
 
+    def _tidy_checkpoint_dir(self) -> None:
+        """Leftovers of Saves cut short (the process killed while it wrote), untouched for LEFTOVER_AGE_S: a
+        checkpoint moved aside whose replacement never arrived goes back in place, and half-written ones are
+        removed (each the size of a whole checkpoint). A Save in progress writes continuously, so a younger one is
+        left alone (after a quick restart, the next Save's retention removes it)."""
+        root = Path(self.cfg.checkpoint_dir)
+        if not root.is_dir():
+            return
+        now = time.time()
+        for entry in sorted(root.iterdir()):
+            if entry.is_symlink() or not entry.is_dir() or not entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+                continue
+            try:
+                age = now - max(p.stat().st_mtime for p in (entry, *entry.rglob("*")))
+            except OSError:
+                continue
+            if age < LEFTOVER_AGE_S:
+                continue
+            final = root / entry.name.removeprefix(OLD_PREFIX)
+            if entry.name.startswith(OLD_PREFIX) and not final.exists():
+                entry.rename(final)
+                log.warning("put back %s, moved aside by a Save of the same tag that did not finish", final)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+                log.info("removed %s, left by a Save that did not finish", entry)
+
     def _load_critic(self) -> str:
         """Load the value model, its tokenizer and optimizer: with resume=latest from the newest of this server's
         checkpoints that loads whole (weights, optimizer state, train step), else from `model`. A checkpoint that
@@ -170,6 +197,7 @@ class CriticCore:
         reports the train steps lost, as for any restart); when every checkpoint fails the server exits naming them
         rather than start again from `model`. Returns the path loaded."""
         cfg = self.cfg
+        self._tidy_checkpoint_dir()
         failed: list[str] = []
         for checkpoint in self._resumable() if cfg.resume == "latest" else []:
             try:

@@ -793,8 +793,16 @@ def test_a_critic_restarted_on_its_checkpoint_dir_resumes_and_remembers_request_
     weights = ckpt / "autosave-4" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     (ckpt / "autosave-3" / "critic_state.json").write_text("{not json")
+    # leftovers of Saves killed mid-write: removed (or put back) at start once untouched for a minute
+    for name in (".tmp-run-b-step_9", ".old-run-b-step_8", ".tmp-young"):
+        (ckpt / name).mkdir()
+        (ckpt / name / "model.safetensors").write_bytes(b"x")
+        if name != ".tmp-young":
+            for path in (ckpt / name / "model.safetensors", ckpt / name):
+                os.utime(path, (time.time() - 120, time.time() - 120))
     with ServiceProcess("critic", *args, log_dir=log_dir) as third, channel(third.address) as ch:
         assert _info(critic_pb2_grpc.CriticServiceStub(ch)).train_step == 2
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith((".", "run-b"))) == [".tmp-young", "run-b-step_8"]
     assert f"the checkpoint {ckpt / 'autosave-4'} cannot be loaded (SafetensorError" in third.log()
     assert f"{ckpt / 'autosave-3'} holds a critic's optimizer.pt but no readable critic_state.json" in third.log()
     assert "1 newer checkpoint(s) could not be loaded, so the critic resumed from an older one" in third.log()

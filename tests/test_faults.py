@@ -562,10 +562,11 @@ def test_calls_that_meet_a_critic_restart_are_retried_until_they_succeed(embedde
 
 class _ShuttingDownOnce(critic_pb2_grpc.CriticServiceServicer):
     """Fault injection: answers its first Infer as a critic in the last instant of its shutdown does (CANCELLED,
-    which on a real restart depends on timing), then as a working one."""
+    which on a real restart depends on timing), and its first Save and Load as a critic killed mid-call, then as a
+    working one."""
 
     def __init__(self):
-        self.calls, self.trains = 0, 0
+        self.calls, self.trains, self.saves, self.loads = 0, 0, 0, 0
 
     def Train(self, request, context):
         self.trains += 1
@@ -577,6 +578,18 @@ class _ShuttingDownOnce(critic_pb2_grpc.CriticServiceServicer):
             context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
         values = torch.zeros(decode(request.tokens, "tokens").shape, dtype=torch.float32)
         return critic_pb2.InferResponse(values=encode(values))
+
+    def Save(self, request, context):  # a critic killed while it saves: the connection breaks
+        self.saves += 1
+        if self.saves == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+        return critic_pb2.SaveResponse(path=f"/ck/{request.tag}", train_step=4)
+
+    def Load(self, request, context):
+        self.loads += 1
+        if self.loads == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
+        return critic_pb2.LoadResponse(path=f"/ck/{request.tag}", train_step=4)
 
 
 def test_an_idempotent_call_the_server_cancels_is_retried_and_a_train_without_request_id_is_not(caplog):
@@ -591,6 +604,13 @@ def test_an_idempotent_call_the_server_cancels_is_retried_and_a_train_without_re
             values, _ = client.infer(torch.ones(2, 3, dtype=torch.long), torch.full((2,), 3)).result()
         assert values.shape == (2, 3) and servicer.calls == 2
         assert "(the call was cancelled by the server as it shut down); retrying" in caplog.text
+        # Save and Load are idempotent too: a critic killed during the actor's checkpoint no longer leaves the
+        # checkpoint without the critic that is back seconds later at the same step
+        assert client.save("run-step_4") == "/ck/run-step_4" and client.load("run-step_4") == ("/ck/run-step_4", 4)
+        assert "the connection broke: the server stopped or restarted while the call ran" in caplog.text
+        with pytest.raises(RemoteError, match="Save failed: UNAVAILABLE"):  # unless told not to wait
+            servicer.saves = 0
+            client.save("run-step_5", retry=False)
         # a call that is not idempotent (a Train without a request id) is not started twice
         with pytest.raises(RemoteError, match="Train failed: CANCELLED"):
             client.train(*(torch.ones(1, 3),) * 5, value_clip=0.2, loss_scale=1.0).result()
@@ -609,7 +629,9 @@ def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(r
     """SIGKILL the actor mid-run and start the same command again: it resumes from its latest checkpoint (policy,
     optimizer, data position, random states, KL coefficient; the critic returns to its checkpoint of that step),
     and every step's metrics equal those of a run that was never interrupted. A metrics row cut off by the kill is
-    left out with a warning (the resume crashed on it before)."""
+    left out with a warning (the resume crashed on it before). Killed before its first checkpoint, the run starts
+    again with the critic returned to where the run first found it: before, the critic kept the dead attempt's
+    training and refused the new step 1 under the run's request id, so the same command failed on every start."""
     overrides = ["ppo.max_num_steps=12", "checkpointing.save_period=4", *PPO_RUN, "ppo.kl_controller.type=adaptive"]
 
     def command(run_dir, critic, reward) -> list[str]:
@@ -621,13 +643,17 @@ def test_an_actor_killed_and_resumed_continues_exactly_as_an_uninterrupted_run(r
                                capture_output=True, text=True, timeout=300)
         assert whole.returncode == 0, whole.stderr[-3000:]
     with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck-b"), log_dir=log_dir) as critic:
-        first = subprocess.Popen(command(tmp_path / "b", critic, reward), cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
-        try:
-            wait_for_steps(tmp_path / "b", 6, first)
-        finally:
-            first.kill()
-            first.communicate()
+        for steps in (2, 6):  # before the first checkpoint (save_period 4), then after it
+            first = subprocess.Popen(command(tmp_path / "b", critic, reward), cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+            try:
+                wait_for_steps(tmp_path / "b", steps, first)
+            finally:
+                first.kill()
+                out = first.communicate()[0]
+            if steps == 6:
+                assert "starts again at step 1 (no checkpoint of it is complete): the critic returned to" in out, \
+                    out[-3000:]
         # as if the kill (or a full disk) had cut the last row while it was written
         written = tmp_path / "b" / "metrics.jsonl"
         written.write_text(written.read_text()[:-40])
