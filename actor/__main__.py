@@ -6,6 +6,7 @@ import errno
 import logging
 import signal
 import sys
+import threading
 
 from serving.config import parse_cli
 from serving.startup import imports_without_gc
@@ -22,6 +23,14 @@ FLAGS = {
 
 # a disk that filled (or a file size limit, or a quota): the run stops saying so, without a traceback
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _quiet_about_a_full_disk(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard's writer thread dies on a full disk with its own traceback; the training thread meets the same
+    error at its next write and the run ends with one line saying so (main), so the thread's is left out."""
+    if isinstance(args.exc_value, OSError) and args.exc_value.errno in DISK_FULL:
+        return
+    threading.__excepthook__(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.disable_progress_bar()
     retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)
+    threading.excepthook = _quiet_about_a_full_disk
 
     try:
         trainer = PPOTrainer(cfg)
