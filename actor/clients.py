@@ -177,14 +177,16 @@ def unreachable_reason(e: grpc.RpcError) -> str:
             return "connection refused: nothing listens on that port"
         if "dns" in low or "resolv" in low or "name or service not known" in low:
             return "the host name does not resolve"
+        if (tls := tls_failure(low)) is not None:
+            return f"the TLS handshake failed: {tls} ({details})"
         if "http1" in low:
             return f"something answers on that port, but not a gRPC server ({details})"
         if "socket closed" in low or "stream removed" in low or "connection reset" in low or "broken pipe" in low:
-            return f"the connection broke: the server stopped or restarted while the call ran ({details})"
+            return (f"the server closed the connection: it stopped or restarted, or (when this persists) it serves "
+                    f"TLS to a plaintext client, or wants a client certificate this client does not present "
+                    f"(tls_ca_file, tls_cert_file) ({details})")
         if "http" in low or "protocol" in low or "frame" in low:
             return f"something answers on that port, but not a gRPC server ({details})"
-        if "ssl" in low or "tls" in low or "handshake" in low or "certificate" in low:
-            return f"the TLS handshake failed ({details})"
         return details or "unavailable"
     if code == grpc.StatusCode.CANCELLED:
         return "the call was cancelled by the server as it shut down"
@@ -193,6 +195,20 @@ def unreachable_reason(e: grpc.RpcError) -> str:
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return f"a gRPC server answers on that port, but not one of ours ({details})"
     return f"{code.name}: {details}"
+
+
+def tls_failure(details: str) -> str | None:
+    """What a failed TLS handshake's details (lower case) say about the certificates, in words an operator can act
+    on; None when they are not about TLS. Waiting cannot mend any of these."""
+    if "certificate_verify_failed" in details or "certificate verify failed" in details:
+        if "expired" in details:
+            return "the server's certificate has expired"
+        return "the server's certificate is not signed by the CA this client trusts (tls_ca_file)"
+    if "hostname verification" in details or "hostname mismatch" in details:
+        return "the server's certificate is for another host name than the address this client dials"
+    if "tls handshake failed" in details or "ssl handshake failed" in details:
+        return "the server's TLS settings do not fit this client's"
+    return None
 
 
 def wait_for_info(name: str, cfg: RemoteConfig, get_info: Callable, request) -> Any:
@@ -209,8 +225,10 @@ def wait_for_info(name: str, cfg: RemoteConfig, get_info: Callable, request) -> 
             return get_info(request, timeout=max(0.5, min(5.0, cfg.timeout_s, remaining)))
         except grpc.RpcError as e:
             reason = unreachable_reason(e)
-            not_grpc = "http1" in (e.details() or "").lower()  # an HTTP/1 server will not turn into a gRPC one
-            if e.code() not in _RETRY_WHILE_CONNECTING or not_grpc:
+            low = (e.details() or "").lower()
+            # an HTTP/1 server will not turn into a gRPC one, nor will a certificate come to fit by waiting
+            not_grpc, bad_tls = "http1" in low, tls_failure(low) is not None
+            if e.code() not in _RETRY_WHILE_CONNECTING or not_grpc or bad_tls:
                 raise RemoteError(f"{name} server {cfg.address} GetInfo failed: {reason}") from None
             now = time.monotonic()
             if now + delay > deadline:

@@ -122,6 +122,7 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
 
 class CriticService(Service):
     name = "critic"
+    tls_alone_authenticates = False  # Train, Save and Load change it
 
     def __init__(self, cfg: CriticConfig):
         super().__init__(cfg)

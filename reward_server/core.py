@@ -125,6 +125,10 @@ class RewardCore:
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
+        # no token spells more characters than the longest in the vocabulary (normalizers aside, hence the factor 4):
+        # a longer text is over the max length before it is tokenized, which costs some 300 B a token
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_text_chars = min(4 * self.max_length * max(longest, 1), MAX_TEXT_CHARS)
         # with neither a pad nor an EOS token the model can embed, id 0: padding positions are masked
         pad = embeddable_pad_id(self.tokenizer, self.vocab_size, self.source)
         self.pad_id = 0 if pad is None else pad
@@ -175,6 +179,10 @@ class RewardCore:
         field. `texts_field` is how the caller's protocol calls the texts (`query` in OpenRLHF's); `conversations`
         are lists of {"role", "content"} messages, the response last."""
         texts, prompts, labels, conversations = texts or [], prompts or [], labels or [], conversations or []
+        for field, given in ((texts_field, texts), ("conversations", conversations)):
+            if len(given) > self.cfg.max_request_rows:  # token ids are held to it by the receive limit
+                raise InvalidArgument(f"{field}: {len(given)} samples, more than one request may carry "
+                                      f"(max_request_rows {self.cfg.max_request_rows})")
         sent = [name for name, given in (("tokens", tokens is not None), (texts_field, bool(texts)),
                                          ("conversations", bool(conversations))) if given]
         if len(sent) != 1:
@@ -277,13 +285,27 @@ class RewardCore:
         encodes a text on its own (its BOS, or an encoder's [CLS] and [SEP]; not twice when the text carries them),
         which is how reward models are trained on plain text; a `rendered` chat template gets no special tokens on
         top, since the template writes its own."""
+        texts = [self._bounded(text, f"{field}[{i}]") for i, text in enumerate(texts)]
         ids = (self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"] if rendered
                else text_ids(self.tokenizer, texts, ending=True))
         return self._pad_checked(ids, field)
 
+    def _bounded(self, text: str, field: str) -> str:
+        """A text short enough to tokenize: one longer than max_text_chars cannot fit the max length in any case, so
+        it is refused (long_texts=refuse) or cut there (truncate: its first max-length tokens lie well inside)
+        before the tokenizer sees it; a 200 MB query took gigabytes to tokenize, and the server with them."""
+        if len(text) <= self.max_text_chars:
+            return text
+        if self.cfg.long_texts == "truncate":
+            return text[:self.max_text_chars]
+        raise InvalidArgument(f"{field}: {len(text)} characters, more than the model's max length of {self.max_length} "
+                              f"tokens can hold (at most {self.max_text_chars} characters are tokenized)")
+
     def _tokenize_pairs(self, pairs: list[tuple[str, str | None]], field: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt, response) pairs as the tokenizer encodes a pair (`[CLS] prompt [SEP] response [SEP]`); a pair
         without a response is its text alone."""
+        pairs = [(self._bounded(a, f"{field}[{i}]"), None if b is None else self._bounded(b, f"{field}[{i}]"))
+                 for i, (a, b) in enumerate(pairs)]
         ids = [self.tokenizer(a, b, verbose=False)["input_ids"] if b is not None else
                text_ids(self.tokenizer, [a], ending=True)[0] for a, b in pairs]
         return self._pad_checked(ids, field)
@@ -349,6 +371,9 @@ class RewardCore:
             req.responses = self.tokenizer.batch_decode(req.response_ids, skip_special_tokens=True)
         labels = req.labels or [None] * req.rows
         return [scorer.score(response, label) for response, label in zip(req.responses, labels, strict=True)]
+
+
+MAX_TEXT_CHARS = 2**22  # the most characters of one text tokenized, whatever the max length (4 Mi)
 
 
 def _check_count(values: list[str], field: str, rows: int) -> None:

@@ -17,6 +17,55 @@ from prometheus_client.exposition import choose_encoder
 disable_created_metrics()
 
 
+class _TooLarge(BaseException):
+    pass
+
+
+class BodyLimit:
+    """ASGI middleware: a request body larger than `limit` bytes gets 413, whether its Content-Length says so at
+    once or a chunked body passes the limit while it is read, so no body past the limit is held in memory (the REST
+    counterpart of the gRPC receive limit)."""
+
+    def __init__(self, app, limit: int, key: str):
+        self.app, self.limit, self.key = app, limit, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send, int(declared))
+        received, started = 0, False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send, received)
+
+    async def _refuse(self, send, size: int) -> None:
+        body = (f'{{"detail": "the request body ({size} bytes or more) is larger than this server takes '
+                f'({self.limit} bytes; {self.key})"}}').encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable[[], bool]) -> None:
     # HEAD too (RFC 9110: wherever GET is), which some load balancers and uptime checkers probe with
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
+import re
 from collections import namedtuple
 from collections.abc import Callable
 from pathlib import Path
@@ -29,9 +31,11 @@ from .metrics import ServiceMetrics
 from .wire import is_known_method
 
 TOKEN_ENV = "PPO_SERVICES_AUTH_TOKEN"
+_METHOD_PATH = re.compile(r"/([A-Za-z_][\w.]*)/([A-Za-z_]\w*)")
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1.ServerReflection/",
                       "/grpc.reflection.v1alpha.ServerReflection/")
 OPEN_REST_PATHS = frozenset({"/health", "/ready", "/metrics"})
+log = logging.getLogger(__name__)
 
 
 class SecurityConfig(StrictModel):
@@ -75,6 +79,8 @@ def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
             raise SecurityError(f"{key}: {path} is empty")
         return token
     token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token and TOKEN_ENV in os.environ:
+        log.warning("%s is set but blank: no bearer token is required", TOKEN_ENV)
     return token or None
 
 
@@ -103,10 +109,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, token: str | None, cfg: SecurityConfig) -> None:
-    """Refuse a non-loopback listener with neither a token nor TLS, unless allow_insecure."""
-    if is_loopback(host) or token or cfg.tls_cert_file or cfg.allow_insecure:
+def check_exposure(host: str, token: str | None, cfg: SecurityConfig, tls_alone: bool = True) -> None:
+    """Refuse a non-loopback listener with neither a token nor TLS, unless allow_insecure. TLS without a client CA
+    authenticates the server, not its callers: where that is not enough (`tls_alone` off: a server whose calls change
+    its state), it needs a token or mutual TLS."""
+    if is_loopback(host) or token or cfg.allow_insecure:
         return
+    if cfg.tls_cert_file and (tls_alone or cfg.tls_client_ca_file):
+        return
+    if cfg.tls_cert_file:
+        raise SecurityError(
+            f"refusing to listen on {host} with TLS but no caller authentication: TLS without tls_client_ca_file "
+            f"proves the server to its callers, not the callers to it, and anyone who reaches this one could train it "
+            f"or write and load its checkpoints; set auth_token_file (--auth-token-file) or {TOKEN_ENV}, or "
+            f"tls_client_ca_file (mutual TLS), or pass --allow-insecure")
     raise SecurityError(
         f"refusing to listen on {host} with no authentication: set auth_token_file (--auth-token-file) or "
         f"{TOKEN_ENV}, or tls_cert_file/tls_key_file, or pass --allow-insecure")
@@ -133,13 +149,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.token, self.metrics = token, metrics
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
-        if details.method.startswith(OPEN_GRPC_PREFIXES) or not is_known_method(
-                details.method.strip("/").replace("/", ".")):  # `/package.Service/Method`
+        path = _METHOD_PATH.fullmatch(details.method)  # `/package.Service/Method`, nothing else
+        if details.method.startswith(OPEN_GRPC_PREFIXES) or path is None or not is_known_method(
+                f"{path[1]}.{path[2]}"):
             return await continuation(details)  # a method no service has is UNIMPLEMENTED, token or not
         headers = [v for k, v in details.invocation_metadata or () if k == "authorization"]
         if len(headers) == 1 and isinstance(headers[0], str) and bearer_matches(headers[0], self.token):
             return await continuation(details)
-        method = details.method.rsplit("/", 1)[-1]  # a known method's name: the metric's labels stay bounded
+        method = path[2]  # a known method's name: the metric's labels stay bounded
         why = "missing" if not headers else "wrong" if len(headers) == 1 else "more than one"
 
         async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:

@@ -34,7 +34,7 @@ from .codec import retain_freed_memory
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
 from .modeling import DeviceUnavailable, set_thread_budget
-from .rest import PortTaken, QuietUvicorn, add_ops_routes, bind_http
+from .rest import BodyLimit, PortTaken, QuietUvicorn, add_ops_routes, bind_http
 from .security import (
     AuthInterceptor,
     SecurityError,
@@ -150,6 +150,8 @@ class Service:
     """One server process. Subclasses set up their core, servicers and extra routes."""
 
     name: str = "service"
+    # whether TLS without a client CA may guard a non-loopback listener (a server whose calls change nothing)
+    tls_alone_authenticates: bool = True
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
@@ -225,17 +227,18 @@ class Service:
 
         try:
             token = load_token(cfg.auth_token_file)
-            check_exposure(cfg.host, token, cfg)
+            check_exposure(cfg.host, token, cfg, tls_alone=self.tls_alone_authenticates)
             credentials = server_credentials(cfg)
         except SecurityError as e:
             log.error("%s: %s", self.name, e)
             return 2
-        if token:
-            add_rest_auth(self.app, token, self.metrics)
         # The receive limit is fixed when the server is built, before the model loads: it follows from the max
-        # length in the model's config, read without the weights.
+        # length in the model's config, read without the weights. REST bodies have the same limit.
         max_length = self.max_length_hint()
         receive_limit = receive_limit_bytes(cfg.max_message_mb, cfg.max_request_rows, max_length)
+        self.app.add_middleware(BodyLimit, limit=receive_limit, key="max_message_mb, max_request_rows")
+        if token:  # outermost: a caller without the token is refused before its body is read
+            add_rest_auth(self.app, token, self.metrics)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
         server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
                                  options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import subprocess
@@ -278,8 +279,33 @@ def test_long_texts_truncate_scores_the_first_max_length_tokens_as_openrlhf_s_se
         out = openrlhf_rewards(f"{server.http}/get_reward", [long, "good day"], [], [])
         expected = decode(stub.Score(reward_pb2.ScoreRequest(texts=[cut, "good day"])).rewards, "r").tolist()
         assert out["rewards"] == pytest.approx(expected, abs=1e-6)
+        # one far past what the max length can hold is cut before it is tokenized, to the same first tokens
+        assert openrlhf_rewards(f"{server.http}/get_reward", [" ".join(["good"] * 200_000)], [],
+                                [])["rewards"] == pytest.approx(expected[:1], abs=1e-6)
         metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
-    assert "ppo_reward_truncated_texts_total 1.0" in metrics
+    assert "ppo_reward_truncated_texts_total 2.0" in metrics
+
+
+def test_huge_get_reward_bodies_and_texts_are_refused_before_they_are_read_or_tokenized(server):
+    """/get_reward had no body limit and tokenized each query whole before checking its length (some 300 B a
+    token): one 200 MB query took the server's memory with it. A body past the receive limit gets 413 (declared
+    or chunked), a text that cannot fit the max length is refused before it is tokenized, and a request carries at
+    most max_request_rows samples."""
+    url = f"{server.http}/get_reward"
+    huge = httpx.post(url, json={"query": ["good " * 200_000]}, timeout=60)
+    assert huge.status_code == 400 and "query[0]: 1000000 characters, more than the model's max length of 64 tokens" \
+        in huge.json()["detail"], huge.text
+    body = json.dumps({"query": ["x" * (18 * 2**20)]}).encode()  # the embedded models' limit is 17 MiB
+    declared = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    chunked = httpx.post(url, content=iter([body[i:i + 2**20] for i in range(0, len(body), 2**20)]),
+                         headers={"Content-Type": "application/json"}, timeout=60)
+    for reply in (declared, chunked):
+        assert reply.status_code == 413 and "larger than this server takes" in reply.json()["detail"], reply.text
+    many = httpx.post(url, json={"query": ["good"] * 4097}, timeout=60)
+    assert many.status_code == 400 and "query: 4097 samples" in many.json()["detail"] and "max_request_rows" in \
+        many.json()["detail"], many.text
+    assert openrlhf_rewards(url, ["good day"], [], [])["rewards"]  # and it goes on serving
+    assert httpx.get(f"{server.http}/health", timeout=10).status_code == 200
 
 
 def _requests_with_errors(tokenizer) -> list[tuple[str, reward_pb2.ScoreRequest, str]]:

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import grpc
 import httpx
@@ -15,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from actor.clients import RemoteError
 from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2, reward_pb2_grpc
 from serving.security import TOKEN_ENV
 from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
@@ -156,10 +158,19 @@ def test_probes_stay_open_and_refusals_are_counted(critic):
         names = {s.name for a in answers for s in a.list_services_response.service}
         assert "ppo_services.v1.CriticService" in names
         call(ch, "CriticService", "GetInfo", common_pb2.GetInfoRequest())
+        # odd spellings of a known method are no method: UNIMPLEMENTED, and no series of their own
+        for path in ("/ppo_services.v1.CriticService.Infer", "/ppo_services.v1.CriticService/Infer/",
+                     "/grpc.health.v1.Health.Check"):
+            odd = ch.unary_unary(path, request_serializer=lambda m: m.SerializeToString(),
+                                 response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as err:
+                odd(common_pb2.GetInfoRequest(), timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, path
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{critic.http}{path}", timeout=10).status_code == 200, path
     text = httpx.get(f"{critic.http}/metrics", timeout=10).text
     assert 'ppo_critic_requests_total{code="UNAUTHENTICATED",method="GetInfo"}' in text
+    assert "ppo_services.v1" not in text and 'method=""' not in text and "Health.Check" not in text
 
 
 def test_the_actor_sends_the_token(critic, pki):
@@ -219,15 +230,32 @@ def test_mutual_tls_needs_a_client_certificate(embedded_cache, log_dir, pki):
                                            connect_timeout_s=30))
         assert client.info().model == "rule:positive_fraction"
         client.close()
+        # a certificate that does not fit is named at once, not waited on for connect_timeout_s as an outage
+        started = time.monotonic()
+        wrong_ca = RewardClient(RewardConfig(address=server.address, tls_ca_file=str(pki / "client.pem"),
+                                             tls_cert_file=str(pki / "client.pem"),
+                                             tls_key_file=str(pki / "client.key"), connect_timeout_s=60))
+        with pytest.raises(RemoteError, match="the TLS handshake failed: the server's certificate is not signed by "
+                                              "the CA this client trusts"):
+            wrong_ca.info()
+        assert time.monotonic() - started < 30
+        wrong_ca.close()
 
 
-def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache):
+def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, pki, tmp_path):
     cmd = [sys.executable, "-m", "reward_server", "--host", "0.0.0.0", "--port", str(free_port()),
            "--http-port", str(free_port()), "--scorer", "positive_fraction"]
     env = {k: v for k, v in __import__("os").environ.items() if k != TOKEN_ENV}
     result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert "refusing to listen on 0.0.0.0" in result.stderr and "--allow-insecure" in result.stderr
+    # TLS alone proves the server, not its callers: not enough for a critic, which anyone reaching it could train
+    cmd = [sys.executable, "-m", "critic_server", "--host", "0.0.0.0", "--port", str(free_port()), "--http-port",
+           str(free_port()), "--checkpoint-dir", str(tmp_path / "ck"), "--tls-cert-file", str(pki / "server.pem"),
+           "--tls-key-file", str(pki / "server.key")]
+    result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "with TLS but no caller authentication" in result.stderr, result.stderr[-2000:]
+    assert "tls_client_ca_file (mutual TLS)" in result.stderr
 
 
 def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache, log_dir, pki, tmp_path):
