@@ -159,12 +159,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = path[2]  # a known method's name: the metric's labels stay bounded
         why = "missing" if not headers else "wrong" if len(headers) == 1 else "more than one"
 
-        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        async def refuse(requests, context: grpc.aio.ServicerContext) -> None:
             self.metrics.record_request(method, grpc.StatusCode.UNAUTHENTICATED.name)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"{why} bearer token: send metadata 'authorization: Bearer <token>'")
 
-        return grpc.unary_unary_rpc_method_handler(refuse)
+        # a streaming handler that never reads: the caller's message is not received whole (a unary handler would
+        # take it all, up to the receive limit, before refusing)
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def add_rest_auth(app: FastAPI, token: str, metrics: ServiceMetrics) -> None:
