@@ -147,10 +147,14 @@ def read_state(directory: Path) -> tuple[dict[str, Any], dict, dict[str, Any]]:
     return state, optimizer, rng
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, state: dict[str, Any], directory: Path) -> None:
-    """Load the optimizer state `saved` of checkpoint `directory` (trainer state `state`) into `optimizer`. It holds
-    one entry per trainable tensor, so a run that trains other tensors (another policy.num_layers_unfrozen, LoRA's
-    target_modules) cannot take it: ResumeError naming the keys."""
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, state: dict[str, Any], directory: Path,
+                         settings: dict[str, Any]) -> None:
+    """Load the optimizer state `saved` of checkpoint `directory` (trainer state `state`) into `optimizer`, with this
+    run's `settings` (policy.optimizer.kwargs: learning rate, weight decay, betas, eps) over the saved ones, as the
+    critic does: torch's load_state_dict restores the saved ones, so a resume with another learning rate trained
+    on at the old one while its log named the change. The state holds one entry per trainable tensor, so a run
+    that trains other tensors (another policy.num_layers_unfrozen, LoRA's target_modules) cannot take it:
+    ResumeError naming the keys."""
     then = state.get("config", {}).get("policy", {})
     held = [len(g["params"]) for g in saved["param_groups"]]
     here = [len(g["params"]) for g in optimizer.param_groups]
@@ -158,6 +162,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, state: d
         if held != here:
             raise ValueError(f"it holds {sum(held)} trainable tensors, this run trains {sum(here)}")
         optimizer.load_state_dict(saved)
+        for group in optimizer.param_groups:
+            group.update(settings)
     except ValueError as e:
         raise ResumeError(
             f"{directory}: its optimizer state does not fit this run's trainable parameters ({e}): resume with the "

@@ -488,6 +488,7 @@ class PPOTrainer:
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
         metric = (metrics or {}).get(self.cfg.checkpointing.metric_name or "")
         state = {**meta, **unsaved, "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
+                 "reward_serves": self.servers.reward_serves,
                  "next_group": self.collector.next_group, "metric": metric,
                  "python_random": random.getstate()[1], "config": self.cfg.model_dump(mode="json")}
         rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(),
@@ -510,7 +511,8 @@ class PPOTrainer:
         if changed := checkpoints.changed_settings(state.get("config", {}), self.cfg.model_dump(mode="json")):
             log.warning("resuming %s with settings that differ from those it was saved with: %s; the steps from "
                         "here are not those of an uninterrupted run", directory, "; ".join(changed))
-        checkpoints.load_optimizer_state(self.optimizer, optimizer, state, directory)
+        checkpoints.load_optimizer_state(self.optimizer, optimizer, state, directory,
+                                         self.cfg.policy.optimizer.kwargs.model_dump())
         self.sampler.load_state_dict(rng["sampler"])
         self.shuffle_gen.set_state(rng["shuffle"])
         torch.set_rng_state(rng["torch"])
@@ -518,11 +520,24 @@ class PPOTrainer:
             torch.cuda.set_rng_state_all(rng["cuda"][: torch.cuda.device_count()])
         random.setstate((3, tuple(state["python_random"]), None))
         self.kl_coef, self.collector.next_group = state["kl_coef"], state["next_group"]
+        then, now = state.get("reward_serves"), self.servers.reward_serves
+        if then is not None and now is not None and then != now:  # as Servers.watch_reward checks during a run
+            raise checkpoints.ResumeError(
+                f"{directory} was written while the reward server served {then}, and {self.cfg.reward.address} now "
+                f"serves {now}: the rewards would change meaning from the resumed step on; restart the reward server "
+                f"as it was, or start a new run (checkpointing.resume=never or another run_dir)")
         if self.critic is not None:
             if state["critic_tag"] is None:
                 self._resume_without_a_critic_checkpoint(directory, state)
             else:
-                path, train_step = self.critic.load(state["critic_tag"])
+                try:
+                    path, train_step = self.critic.load(state["critic_tag"])
+                except RemoteError as e:
+                    if e.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                        raise
+                    raise checkpoints.ResumeError(
+                        f"{directory}: the critic server {self.cfg.critic.address} cannot return to its checkpoint of "
+                        f"that step ({e}); {self._earlier_checkpoint(directory, state['step'])}") from None
                 self.servers.critic_returned_to(train_step)
                 log.info("the critic returned to %s (train step %d)", path, train_step)
         log.info("resuming after step %d from %s (%d samples consumed)", state["step"], directory,
@@ -538,6 +553,8 @@ class PPOTrainer:
         if self.critic is None:
             return 0
         tag, train_step = f"{self.run_id}-step_0", self.servers.critic_seen[1]
+        again = ("starts over (checkpointing.resume=never)" if self.cfg.checkpointing.resume == "never" else
+                 "starts again at step 1 (no checkpoint of it is complete)")
         if self.run_id_kept:
             try:
                 path, train_step = self.critic.load(tag)
@@ -545,13 +562,12 @@ class PPOTrainer:
                 if e.code != grpc.StatusCode.NOT_FOUND:
                     raise
                 old, self.run_id = self.run_id, new_run_id(self.run_dir)
-                log.warning("run %s starts again at step 1 (no checkpoint of it is complete), and the critic holds no "
-                            "checkpoint of its start (%s): it goes on as run %s, with the critic as it is",
-                            old, tag, self.run_id)
+                log.warning("run %s %s, and the critic holds no checkpoint of its start (%s): it goes on as run %s, "
+                            "with the critic as it is", old, again, tag, self.run_id)
             else:
                 self.servers.critic_returned_to(train_step)
-                log.info("run %s starts again at step 1 (no checkpoint of it is complete): the critic returned to %s, "
-                         "where the run first found it (train step %d)", self.run_id, path, train_step)
+                log.info("run %s %s: the critic returned to %s, where the run first found it (train step %d)",
+                         self.run_id, again, path, train_step)
                 return 0
         if train_step:
             log.warning("the critic server %s has taken %d optimizer steps already (its own checkpoint, resumed, or "
@@ -583,16 +599,22 @@ class PPOTrainer:
                      "step left it (%s, train step %d): resuming with it as it is", directory,
                      self.cfg.critic.address, how, train_step)
             return
-        paired = [p for p in checkpoints.complete_checkpoints(directory.parent)
-                  if checkpoints.step_of(p) < state["step"] and checkpoints.holds_its_critic(p)]
-        instead = (f"resume from {paired[-1]}, the newest earlier checkpoint that holds its critic "
-                   f"(checkpointing.resume={paired[-1]}), or start over (checkpointing.resume=never)" if paired else
-                   "no earlier checkpoint of this run holds its critic: start over (checkpointing.resume=never)")
         raise checkpoints.ResumeError(
             f"{directory} holds no critic checkpoint (the critic's Save failed: {unsaved['error']}), and the critic "
             f"server {self.cfg.critic.address} is no longer where that step left it (train step "
             f"{unsaved['train_step']} of process {unsaved['instance_id'][:8]}; now train step {train_step} of process "
-            f"{instance[:8]}), so the run cannot go on exactly from it: {instead}")
+            f"{instance[:8]}), so the run cannot go on exactly from it: "
+            f"{self._earlier_checkpoint(directory, state['step'])}")
+
+    @staticmethod
+    def _earlier_checkpoint(directory: Path, step: int) -> str:
+        """The way on from a checkpoint that cannot be resumed: the newest earlier one that holds its critic."""
+        paired = [p for p in checkpoints.complete_checkpoints(directory.parent)
+                  if checkpoints.step_of(p) < step and checkpoints.holds_its_critic(p)]
+        if paired:
+            return (f"resume from {paired[-1]}, the newest earlier checkpoint that holds its critic "
+                    f"(checkpointing.resume={paired[-1]}), or start over (checkpointing.resume=never)")
+        return "no earlier checkpoint of this run holds its critic: start over (checkpointing.resume=never)"
 
     def fit(self) -> list[dict]:
         cfg, p = self.cfg, self.cfg.ppo

@@ -219,8 +219,8 @@ class CriticCore:
             raise SystemExit(f"resume=latest: none of this critic's checkpoints in checkpoint_dir={cfg.checkpoint_dir} "
                              f"can be loaded: {'; '.join(failed)}. Move the damaged ones out of checkpoint_dir, or "
                              f"start again from model={cfg.model} with resume=never")
-        log.info("starting from model=%s (resume=%s; no checkpoint of this server in %s)", cfg.model, cfg.resume,
-                 cfg.checkpoint_dir)
+        log.info("starting from model=%s (%s)", cfg.model, "resume=never" if cfg.resume == "never" else
+                 f"no checkpoint of this server in {cfg.checkpoint_dir}")
         path = resolve_model(cfg.model, key="model")
         with naming_the_model("model", cfg.model):
             self._load_from(path)

@@ -142,6 +142,10 @@ class CriticService(Service):
     async def serve(self) -> int:
         """Serve until SIGTERM; then, with autosave_every > 0, checkpoint what the drained Trains applied."""
         code = await super().serve()
+        if self.core.cfg.autosave_every <= 0 and getattr(self.core, "unsaved", False):
+            log.warning("critic stopping at train step %d with Trains applied since its last checkpoint, which "
+                        "autosave_every=0 does not write: a restart resumes an older state (an actor resuming its run "
+                        "returns it to the checkpoint of its step)", self.core.train_step)
         if self.worker is not None and not self.abandoned and not self.worker.failed:
             try:
                 if (path := self.core.save_on_exit()) is not None:

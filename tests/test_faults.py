@@ -220,6 +220,33 @@ def test_checkpoints_whose_critic_save_failed_resume_only_with_the_critic_where_
     assert "no earlier checkpoint of this run holds its critic: start over (checkpointing.resume=never)" in lost.stderr
 
 
+def test_a_resume_whose_servers_cannot_take_it_stops_naming_the_way_on(reward, log_dir, tmp_path):
+    """Two resumes that would not go on as the run did: the critic's checkpoint of the step is gone (its disk lost),
+    so its Load fails (before: the raw NOT_FOUND on every restart, naming neither the checkpoint nor a way on); the
+    reward server came back with another scorer while the actor was down too (before: resumed silently, the rewards
+    changing meaning; a change while the actor runs was already refused)."""
+    run_dir = tmp_path / "run"
+    with ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck"), log_dir=log_dir) as critic:
+        def actor(steps: int, reward_address: str) -> subprocess.CompletedProcess:
+            return subprocess.run(actor_command("ppo", run_dir, f"reward.address={reward_address}",
+                                                f"critic.address={critic.address}", f"ppo.max_num_steps={steps}",
+                                                *PPO_RUN, "checkpointing.save_period=1"),
+                                  cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+
+        first = actor(2, reward.address)
+        assert first.returncode == 0, first.stderr[-3000:]
+        with ServiceProcess("reward", "--scorer", "positive_fraction", log_dir=log_dir) as rule:
+            other = actor(3, rule.address)
+        assert other.returncode == 1 and "Traceback" not in other.stderr, other.stderr[-3000:]
+        assert (f"{run_dir / 'checkpoints' / 'step_2'} was written while the reward server served 'embedded:reward'"
+                in other.stderr), other.stderr[-3000:]
+        shutil.rmtree(tmp_path / "ck" / f"{(run_dir / 'run_id').read_text().strip()}-step_2")
+        lost = actor(3, reward.address)
+    assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
+    assert "cannot return to its checkpoint of that step" in lost.stderr and "NOT_FOUND" in lost.stderr
+    assert f"resume from {run_dir / 'checkpoints' / 'step_1'}, the newest earlier checkpoint" in lost.stderr
+
+
 class NetworkPath:
     """Fault injection: a TCP proxy standing in for the network path to a server (a Kubernetes Service in front of
     its pod). `fail_over(port)` makes the connections open so far swallow every byte silently, as a frozen node or
@@ -607,7 +634,7 @@ def test_an_idempotent_call_the_server_cancels_is_retried_and_a_train_without_re
         # Save and Load are idempotent too: a critic killed during the actor's checkpoint no longer leaves the
         # checkpoint without the critic that is back seconds later at the same step
         assert client.save("run-step_4") == "/ck/run-step_4" and client.load("run-step_4") == ("/ck/run-step_4", 4)
-        assert "the connection broke: the server stopped or restarted while the call ran" in caplog.text
+        assert "the server closed the connection: it stopped or restarted" in caplog.text
         with pytest.raises(RemoteError, match="Save failed: UNAVAILABLE"):  # unless told not to wait
             servicer.saves = 0
             client.save("run-step_5", retry=False)

@@ -116,7 +116,22 @@ def test_resuming_with_other_frozen_layers_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ResumeError, match=r"holds 14 trainable tensors, this run trains 26\): resume with the "
                                           r"policy.num_layers_unfrozen \(1\)"):
         load_optimizer_state(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), saved, state,
-                             tmp_path)
+                             tmp_path, {})
+
+
+def test_a_resume_trains_at_the_configured_learning_rate_with_the_saved_moments(tmp_path):
+    """torch's load_state_dict brings back the saved learning rate: a resume with policy.optimizer.kwargs.lr changed
+    trained on at the old one, while its log named the change. The configured settings now win, as the critic's."""
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16))
+    first = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
+    first.step()
+    again = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_optimizer_state(again, first.state_dict(), {}, tmp_path, {"lr": 2e-3, "weight_decay": 0.1, "eps": 1e-6})
+    group = again.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["eps"]) == (2e-3, 0.1, 1e-6)
+    moments = next(iter(again.state.values()))["exp_avg"]
+    assert torch.equal(moments, next(iter(first.state.values()))["exp_avg"])
 
 
 def test_num_layers_unfrozen_finds_gpt2_blocks_freezes_a_tied_head_and_checks_its_bound():
