@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import signal
 import sys
@@ -21,13 +20,11 @@ FLAGS = {
 }
 
 
-# a disk that filled (or a file size limit, or a quota): the run stops saying so, without a traceback
-DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
 def _quiet_about_a_full_disk(args: threading.ExceptHookArgs) -> None:
     """TensorBoard's writer thread dies on a full disk with its own traceback; the training thread meets the same
     error at its next write and the run ends with one line saying so (main), so the thread's is left out."""
+    from serving.errors import DISK_FULL
+
     if isinstance(args.exc_value, OSError) and args.exc_value.errno in DISK_FULL:
         return
     threading.__excepthook__(args)
@@ -43,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from embedded import ModelNotFound
         from serving.codec import retain_freed_memory
+        from serving.errors import DISK_FULL  # a full disk: the run stops saying so, without a traceback
         from serving.modeling import CompileUnavailable, DeviceUnavailable
         from serving.rest import PortTaken
         from serving.security import SecurityError

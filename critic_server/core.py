@@ -6,7 +6,6 @@ Every method except the validators runs on the server's single model thread (ser
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import logging
@@ -26,6 +25,7 @@ import torch
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import naming_the_model, resolve_model
 from serving.errors import (
+    DISK_FULL,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -156,12 +156,8 @@ class CriticCore:
 
     def _start_checkpoint(self) -> Path | None:
         """The checkpoint load() tries first: the newest of this server's with resume=latest, else None."""
-        found = self._resumable() if self.cfg.resume == "latest" else []
+        found = checkpoints_newest_first(Path(self.cfg.checkpoint_dir))[0] if self.cfg.resume == "latest" else []
         return found[0] if found else None
-
-    def _resumable(self) -> list[Path]:
-        """This server's checkpoints in checkpoint_dir, newest first."""
-        return checkpoints_newest_first(Path(self.cfg.checkpoint_dir))
 
     def _tidy_checkpoint_dir(self) -> None:
         """Leftovers of Saves cut short (the process killed while it wrote), untouched for LEFTOVER_AGE_S: a
@@ -199,11 +195,15 @@ class CriticCore:
         cfg = self.cfg
         self._tidy_checkpoint_dir()
         failed: list[str] = []
-        for checkpoint in self._resumable() if cfg.resume == "latest" else []:
+        found, unplaced = checkpoints_newest_first(Path(cfg.checkpoint_dir)) if cfg.resume == "latest" else ([], [])
+        for entry in unplaced:
+            log.error("%s holds a critic's %s but no readable %s with its saved_at: not resumed from", entry,
+                      OPTIMIZER_FILE, STATE_FILE)
+        for checkpoint in found:
             try:
                 self._load_from(str(checkpoint))
             except Exception as e:  # noqa: BLE001 - any failure: try the next older checkpoint
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                reason = in_brief(e)
                 failed.append(f"{checkpoint} ({reason})")
                 log.error("resume=latest: the checkpoint %s cannot be loaded (%s), trying the next older one",
                           checkpoint, reason)
@@ -551,7 +551,6 @@ class CriticCore:
 
 # what a write refused by the file system says where no OSError carries its errno (safetensors: "... (os error 28)")
 _OS_ERROR = re.compile(r"os error (\d+)")
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit
 
 
 def write_failure(error: BaseException, final: Path) -> ServiceError:
@@ -574,9 +573,14 @@ def write_failure(error: BaseException, final: Path) -> ServiceError:
     if code is not None:
         return FailedPrecondition(f"{what}: {os.strerror(code)}; {unchanged}. checkpoint_dir {final.parent} must be a "
                                   f"writable directory")
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return ServiceError(f"{what}: {type(error).__name__}: {first_line}; {unchanged}. A full disk under checkpoint_dir "
-                        f"{final.parent} is the likely cause")
+    return ServiceError(f"{what}: {in_brief(error)}; {unchanged}. A full disk under checkpoint_dir {final.parent} is "
+                        f"the likely cause")
+
+
+def in_brief(error: BaseException) -> str:
+    """`Type: the first line of its message`, for a log line or a reply that names several failures."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def checkpoint_path(root: Path, tag: str) -> Path:
@@ -614,22 +618,21 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float,
             log.warning("could not remove old checkpoint %s: %s", path, e)
 
 
-def checkpoints_newest_first(root: Path) -> list[Path]:
+def checkpoints_newest_first(root: Path) -> tuple[list[Path], list[Path]]:
     """The checkpoints in root this server wrote, the last written first (by the saved_at in their
-    critic_state.json). A directory that holds a critic's optimizer state but no readable critic_state.json cannot be
-    placed in time: it is logged and left out."""
+    critic_state.json); and the directories that hold a critic's optimizer state but no readable critic_state.json,
+    which cannot be placed in time."""
     if not root.is_dir():
-        return []
-    ours = []
+        return [], []
+    ours, unplaced = [], []
     for entry in root.iterdir():
         if entry.is_symlink() or not entry.is_dir() or entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
             continue
         if (saved_at := _saved_at(entry)) is not None:
             ours.append((saved_at, entry.name, entry))
         elif (entry / OPTIMIZER_FILE).is_file():
-            log.error("%s holds a critic's %s but no readable %s with its saved_at: not resumed from", entry,
-                      OPTIMIZER_FILE, STATE_FILE)
-    return [entry for _, _, entry in sorted(ours, reverse=True)]
+            unplaced.append(entry)
+    return [entry for _, _, entry in sorted(ours, reverse=True)], sorted(unplaced)
 
 
 def _saved_at(directory: Path) -> float | None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+
 import grpc
+
+# a disk that filled, a quota, a file size limit: what a write refused for want of room raises (OSError.errno)
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class ServiceError(Exception):
