@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
 from collections.abc import Callable
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # No `*_created` series beside each counter and histogram: the text format shows each as a gauge family of its own,
 # doubling what every scrape stores. Every service (the actor too) serves /metrics through this module.
@@ -92,6 +95,82 @@ def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable
         return Response(encode(registry), media_type=content_type)
 
 
+# How long a client may take to send a whole request from the moment the server waits for one (the connection's
+# opening, or the end of its last response), plus one second for every READ_MIN_RATE bytes it has sent: a large body
+# on a slow link arrives as long as it keeps at least that rate (Apache's mod_reqtimeout works the same way).
+REQUEST_READ_TIMEOUT_S = 30.0
+READ_MIN_RATE = 64 * 1024
+
+
+class TimedRequestProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline for reading each request: a connection that has not sent its
+    whole request (head and body) within `read_timeout_s` of the server starting to wait for it, plus a second for
+    every READ_MIN_RATE bytes sent, is closed. uvicorn alone closes only a connection that stays silent after a
+    response (timeout_keep_alive, which every byte resets) and none before its first request, so a client that opens
+    connections and sends nothing, or a byte every few seconds ("slowloris"), held each one, and its file descriptor,
+    for as long as it liked. Work on a whole request is not timed: a slow /get_reward is answered however long it
+    computes."""
+
+    read_timeout_s = REQUEST_READ_TIMEOUT_S
+    _read_deadline: asyncio.TimerHandle | None = None
+    _waiting_since = 0.0
+    _received = 0
+
+    @classmethod
+    def with_timeout(cls, seconds: float) -> type[TimedRequestProtocol]:
+        return type(cls.__name__, (cls,), {"read_timeout_s": seconds})
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self._received += len(data)
+        super().data_received(data)
+        self._watch_reading(moved=True)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_deadline()
+        super().connection_lost(exc)
+
+    def _watch_reading(self, moved: bool = False) -> None:
+        """A deadline runs while the client owes (part of) a request; it starts when the wait does, and the bytes
+        that arrive move it on at READ_MIN_RATE."""
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY) or self.transport.is_closing():
+            self._stop_deadline()
+            return
+        if self._read_deadline is None:
+            self._waiting_since, self._received = self.loop.time(), 0
+        elif not moved:
+            return
+        else:
+            self._read_deadline.cancel()
+        when = self._waiting_since + self.read_timeout_s + self._received / READ_MIN_RATE
+        self._read_deadline = self.loop.call_at(when, self._read_timed_out)
+
+    def _stop_deadline(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_timed_out(self) -> None:
+        self._read_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, read_timeout_s: float = REQUEST_READ_TIMEOUT_S,
+                   **ssl) -> uvicorn.Config:
+    """Every service's REST server: HTTP/1.1 with a deadline for reading each request (TimedRequestProtocol), the
+    service's own logging and signal handling."""
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                          http=TimedRequestProtocol.with_timeout(read_timeout_s), **ssl)
+
+
 class QuietUvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the service's handler decides when to stop."""
 
@@ -126,6 +205,6 @@ def start_ops_thread(app: FastAPI, host: str, port: int) -> QuietUvicorn:
     """Serve `app` from a daemon thread (for processes whose main thread does other work, like the actor).
     Returns the server; set `.should_exit = True` to stop it. Raises PortTaken at once when the port cannot be bound."""
     sock = bind_http(host, port)
-    server = QuietUvicorn(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    server = QuietUvicorn(uvicorn_config(app, host, port))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ops-http", daemon=True).start()
     return server

@@ -21,7 +21,6 @@ from typing import Any
 
 import grpc
 import transformers
-import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -34,7 +33,7 @@ from .codec import retain_freed_memory
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
 from .modeling import DeviceUnavailable, set_thread_budget
-from .rest import BodyLimit, PortTaken, QuietUvicorn, add_ops_routes, bind_http
+from .rest import BodyLimit, PortTaken, QuietUvicorn, add_ops_routes, bind_http, uvicorn_config
 from .security import (
     AuthInterceptor,
     SecurityError,
@@ -263,8 +262,8 @@ class Service:
             return 1
         await server.start()
 
-        http = QuietUvicorn(uvicorn.Config(self.app, host=cfg.host, port=cfg.http_port, log_level="warning",
-                                           lifespan="off", ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file))
+        http = QuietUvicorn(uvicorn_config(self.app, cfg.host, cfg.http_port, cfg.http_read_timeout_s,
+                                           ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file))
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         log.info("%s listening: gRPC%s %s:%d, HTTP%s %s:%d%s", self.name, " (TLS)" if credentials else "", cfg.host,
                  bound, "S" if credentials else "", cfg.host, http_socket.getsockname()[1],

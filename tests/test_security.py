@@ -3,8 +3,11 @@ openssl), and the refusal to listen beyond loopback unprotected. Real servers, r
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -84,9 +87,9 @@ def call(channel: grpc.Channel, service: str, method: str, request, metadata=())
 @pytest.fixture(scope="module", params=[("critic", "plaintext"), ("critic", "tls"), ("reward", "plaintext"),
                                         ("reward", "tls")], ids=lambda p: "-".join(p))
 def protected(request, embedded_cache, log_dir, pki, tmp_path_factory):
-    """Each server with the token, over plaintext and over TLS."""
+    """Each server with the token, over plaintext and over TLS (and 2 s to send a whole REST request)."""
     kind, transport = request.param
-    args = ["--auth-token-file", str(pki / "token")]
+    args = ["--auth-token-file", str(pki / "token"), "http_read_timeout_s=2"]
     if kind == "critic":
         args += ["--checkpoint-dir", str(tmp_path_factory.mktemp("ckpt"))]
     tls = {}
@@ -147,6 +150,65 @@ def test_every_rest_route_but_the_probes_needs_the_token(protected, pki):
                if s.name.endswith("_total") and s.labels["code"] == "UNAUTHENTICATED"}
     methods = {m for m, _ in ROUTES[kind][1]} | ({"get_reward"} if kind == "reward" else set())
     assert {m for m, _ in refused} <= methods, refused
+
+
+def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected, pki):
+    """Connections that send nothing, half a head, or half a body are closed once http_read_timeout_s (2 s here)
+    has passed since the server began waiting for their request, however they trickle; one that finishes each request
+    in time keeps its connection across requests, and a large body that keeps up READ_MIN_RATE arrives whole."""
+    server, kind, transport = protected
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem")) if transport == "tls" else None
+    started = time.monotonic()
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
+        return context.wrap_socket(sock, server_hostname="127.0.0.1") if context else sock
+
+    def held_for(sending: bytes, trickle: bool = False) -> float:
+        """Seconds until the server closes a connection that sends `sending` (a byte every 0.3 s with trickle)."""
+        with connect() as sock:
+            opened = time.monotonic()
+            try:
+                for piece in ([bytes([b]) for b in sending] if trickle else [sending]):
+                    sock.sendall(piece)
+                    if trickle:
+                        time.sleep(0.3)
+                while sock.recv(1024):
+                    pass
+            except OSError:  # the close met a send: a reset, or an EOF the TLS layer reports as an error
+                pass
+            return time.monotonic() - opened
+
+    slow = {
+        "silent": (b"", False),
+        "half a head": (b"GET /health HTTP/1.1\r\nHost: x\r\n", False),
+        "half a body": (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", False),
+        "a trickled head": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 40, True),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(slow) + 1) as pool:
+        held = {name: pool.submit(held_for, *how) for name, how in slow.items()}
+        # meanwhile one client sends a request every 0.9 s on one connection, for longer than the deadline
+        with httpx.Client(verify=server.tls_context(), timeout=10) as client:
+            for _ in range(4):
+                assert client.get(f"{server.http}/health").status_code == 200
+                time.sleep(0.9)
+        for name, future in held.items():
+            assert 1.5 < future.result() < 6, (name, future.result())
+    if kind == "reward":  # 256 KiB in 3.2 s: past the 2 s, at 80 KiB/s, above the 64 KiB/s that moves the deadline on
+        body = json.dumps({"query": ["river => good"]}).encode()
+        body += b" " * (256 * 1024 - len(body))
+        with connect() as sock:
+            sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + TOKEN.encode() + b"\r\nConnection: close\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            for i in range(0, len(body), 16 * 1024):
+                sock.sendall(body[i:i + 16 * 1024])
+                time.sleep(0.2)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    assert time.monotonic() - started < 16
 
 
 def test_probes_stay_open_and_refusals_are_counted(critic):
