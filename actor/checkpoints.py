@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import IO, Any
@@ -81,17 +82,19 @@ def remove_leftovers(root: Path) -> None:
 
 
 def resume_point(cfg: CheckpointingConfig, root: Path) -> Path | None:
-    """The checkpoint to continue from: checkpointing.resume auto (the latest complete one, if any), never, or a
-    path."""
+    """The checkpoint to continue from: checkpointing.resume auto (the latest complete one, if any), never, step_N
+    (this run's checkpoint of step N, under `root`), or a checkpoint's path."""
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
         found = complete_checkpoints(root)
         return found[-1] if found else None
-    path = Path(cfg.resume)
+    path = Path(cfg.resume).expanduser()
+    if not (path / STATE_FILE).is_file() and re.fullmatch(r"step_\d+", cfg.resume) and (root / cfg.resume).is_dir():
+        path = root / cfg.resume  # a bare step_N: this run's own checkpoint of that step
     if not (path / STATE_FILE).is_file():
         raise ResumeError(f"checkpointing.resume: {path} is no actor checkpoint (no {STATE_FILE}); expected auto, "
-                          "never or a <run_dir>/checkpoints/step_N directory")
+                          f"never, step_N (one of {root}) or the path of a step_N checkpoint directory")
     return path
 
 

@@ -341,7 +341,8 @@ class CheckpointingConfig(StrictModel):
     save_period: int = Field(10, ge=0, description="Checkpoint every N steps (and always at the end); 0 only at the end.")
     resume: str = Field(
         "auto", description="auto: continue from the latest complete checkpoint in <run_dir>/checkpoints when there "
-        "is one; never: start over; or the path of a step_N checkpoint to continue from.")
+        "is one; never: start over; step_N: this run's checkpoint of step N (<run_dir>/checkpoints/step_N); or the path of "
+        "a step_N checkpoint to continue from (another run's too).")
     keep_top_k: int | None = Field(None, ge=1, description="Keep only the latest checkpoint, the k best by metric_name and the newest that holds its critic (once the critic's Saves fail, the only one a resume is exact from); null keeps all.")
     metric_name: str | None = Field(None, description="The metric that ranks checkpoints for keep_top_k, e.g. val/rewards (a checkpoint without it ranks last).")
     higher_is_better: bool = Field(True, description="Whether a larger metric_name is better.")

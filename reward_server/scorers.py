@@ -85,8 +85,8 @@ def final_answer(text: str, *, last_number: bool) -> str | None:
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip()
         return tail.splitlines()[0].strip() if tail else None
-    if last_number:
-        numbers = _NUMBER.findall(text)
+    if last_number:  # TeX's {,} thousands separator first: the last number of "1{,}234" is 1234, not 234
+        numbers = _NUMBER.findall(text.replace("{,}", ","))
         return numbers[-1] if numbers else None
     return text.strip() or None
 

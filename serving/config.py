@@ -158,7 +158,7 @@ def parse_cli(
     directory named by a key in `writes` (where the service writes its work) cannot be created and written."""
     package = model.__module__.partition(".")[0]  # actor.config -> `python -m actor`, as a user starts it
     parser = argparse.ArgumentParser(prog=f"python -m {package}", description=description)
-    parser.add_argument("--config", help="YAML config file; every key is documented in the README")
+    parser.add_argument("--config", help="YAML config file; every key is documented in docs/configuration.md")
     for flag, (key, help_text) in flags.items():
         if key in switches:  # a flag without a value sets its boolean key
             parser.add_argument(flag, dest=key.replace(".", "__"), action="store_const", const="true", default=None,

@@ -123,9 +123,11 @@ def check_exposure(host: str, token: str | None, cfg: SecurityConfig, tls_alone:
             f"proves the server to its callers, not the callers to it, and anyone who reaches this one could train it "
             f"or write and load its checkpoints; set auth_token_file (--auth-token-file) or {TOKEN_ENV}, or "
             f"tls_client_ca_file (mutual TLS), or pass --allow-insecure")
+    tls = ("tls_cert_file/tls_key_file" if tls_alone else
+           "tls_cert_file/tls_key_file with tls_client_ca_file (mutual TLS: TLS alone does not authenticate callers)")
     raise SecurityError(
         f"refusing to listen on {host} with no authentication: set auth_token_file (--auth-token-file) or "
-        f"{TOKEN_ENV}, or tls_cert_file/tls_key_file, or pass --allow-insecure")
+        f"{TOKEN_ENV}, or {tls}, or pass --allow-insecure")
 
 
 def server_credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:

@@ -26,8 +26,12 @@ def test_resume_auto_takes_the_latest_complete_checkpoint(tmp_path):
     assert checkpoints.resume_point(CheckpointingConfig(), tmp_path) == tmp_path / "step_10"
     assert checkpoints.resume_point(CheckpointingConfig(resume="never"), tmp_path) is None
     assert checkpoints.resume_point(CheckpointingConfig(resume=str(tmp_path / "step_2")), tmp_path) == tmp_path / "step_2"
+    assert checkpoints.resume_point(CheckpointingConfig(resume="step_2"), tmp_path) == tmp_path / "step_2"
     with pytest.raises(checkpoints.ResumeError, match="checkpointing.resume"):
         checkpoints.resume_point(CheckpointingConfig(resume=str(tmp_path / "step_12")), tmp_path)
+    for incomplete_or_absent in ("step_12", "step_4"):
+        with pytest.raises(checkpoints.ResumeError, match="expected auto, never, step_N"):
+            checkpoints.resume_point(CheckpointingConfig(resume=incomplete_or_absent), tmp_path)
     checkpoints.remove_leftovers(tmp_path)
     assert not (tmp_path / "tmp_step_14").exists() and (tmp_path / "step_12").exists()
     assert checkpoints.resume_point(CheckpointingConfig(), tmp_path / "missing") is None

@@ -794,6 +794,7 @@ MATH_CASES = [  # (response, label, reward): the response's final answer against
     ("she sold 48 + 24 = 72, which is the answer.", "#### 72", 1.0), ("So we get 5, in all.", "5", 1.0),
     ("Total: 1,234,", "1234", 1.0), ("Total: 1,235,", "1234", 0.0),
     # notation that leaves the answer the same
+    ("1{,}234", "1234", 1.0), ("she pays 1{,}234 dollars", "#### 1{,}234", 1.0), ("1{,}235", "1234", 0.0),
     ("\\boxed{\\$18}", "18", 1.0), ("\\boxed{1{,}234}", "1234", 1.0), ("\\boxed{42\\text{ apples}}", "42", 1.0),
     ("\\boxed{18\\text{ dollars}}", "#### 18", 1.0), ("\\boxed{x=7}", "7", 1.0), ("\\boxed{x = 7}", "x=8", 0.0),
     ("\\boxed{90^\\circ}", "90", 1.0), ("\\boxed{90^{\\circ}}", "90°", 1.0), ("\\boxed{\\textbf{5}}", "5", 1.0),

@@ -318,6 +318,10 @@ def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, 
     result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and "with TLS but no caller authentication" in result.stderr, result.stderr[-2000:]
     assert "tls_client_ca_file (mutual TLS)" in result.stderr
+    # and the refusal of an unprotected critic names the ways that do suffice, not TLS alone
+    result = subprocess.run(cmd[:-4], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "with no authentication" in result.stderr, result.stderr[-2000:]
+    assert "with tls_client_ca_file (mutual TLS" in result.stderr
 
 
 def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache, log_dir, pki, tmp_path):
