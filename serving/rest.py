@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 
@@ -14,6 +15,8 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .security import CLIENT_CERTIFIED
 
 # No `*_created` series beside each counter and histogram: the text format shows each as a gauge family of its own,
 # doubling what every scrape stores. Every service (the actor too) serves /metrics through this module.
@@ -100,6 +103,8 @@ def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable
 # on a slow link arrives as long as it keeps at least that rate (Apache's mod_reqtimeout works the same way).
 REQUEST_READ_TIMEOUT_S = 30.0
 READ_MIN_RATE = 64 * 1024
+# How long a connection this server has closed may take to go (see TimedRequestProtocol._reap_when_closed).
+CLOSE_WAIT_S = 1.0
 
 
 class TimedRequestProtocol(H11Protocol):
@@ -109,10 +114,12 @@ class TimedRequestProtocol(H11Protocol):
     response (timeout_keep_alive, which every byte resets) and none before its first request, so a client that opens
     connections and sends nothing, or a byte every few seconds ("slowloris"), held each one, and its file descriptor,
     for as long as it liked. Work on a whole request is not timed: a slow /get_reward is answered however long it
-    computes."""
+    computes. A connection the server has closed is dropped if it lingers (`_reap_when_closed`), and each one records
+    whether its client presented a verified certificate (CLIENT_CERTIFIED, in its requests' scope state)."""
 
     read_timeout_s = REQUEST_READ_TIMEOUT_S
     _read_deadline: asyncio.TimerHandle | None = None
+    _lost = _reaping = False
     _waiting_since = 0.0
     _received = 0
 
@@ -122,6 +129,11 @@ class TimedRequestProtocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        tls = transport.get_extra_info("ssl_object")
+        # whether the client proved itself with a certificate the server's client CA signed (requested, not
+        # required, so that probes need none; one that does not verify has failed the handshake already), for
+        # the REST routes that need it (serving.security.add_rest_client_cert_check)
+        self.app_state = {**self.app_state, CLIENT_CERTIFIED: tls is not None and tls.getpeercert() is not None}
         self._watch_reading()
 
     def data_received(self, data: bytes) -> None:
@@ -134,8 +146,36 @@ class TimedRequestProtocol(H11Protocol):
         self._watch_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._stop_deadline()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._reap_when_closed()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._reap_when_closed()
+
+    def _reap_when_closed(self) -> None:
+        """Once this server has closed the connection, drop it if it is still there CLOSE_WAIT_S later. Over TLS a
+        close sends close_notify and then waits for the client's, up to asyncio's ssl_shutdown_timeout (30 s): an idle
+        keep-alive client (a Prometheus scraper over HTTPS) held the server's shutdown, and with it the critic's exit
+        save, for those 30 s. A response still being written is given until its buffer drains."""
+        if self._reaping or self._lost:
+            return
+        self._reaping = True
+
+        def check() -> None:
+            if self._lost:
+                return
+            if self.transport.is_closing() and self.transport.get_write_buffer_size() == 0:
+                self.transport.abort()
+            else:  # still answering a request, or writing out its reply
+                self.loop.call_later(CLOSE_WAIT_S, check)
+
+        self.loop.call_later(CLOSE_WAIT_S, check)
 
     def _watch_reading(self, moved: bool = False) -> None:
         """A deadline runs while the client owes (part of) a request; it starts when the wait does, and the bytes
@@ -161,14 +201,22 @@ class TimedRequestProtocol(H11Protocol):
         self._read_deadline = None
         if not self.transport.is_closing():
             self.transport.close()
+        self._reap_when_closed()
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, read_timeout_s: float = REQUEST_READ_TIMEOUT_S,
-                   **ssl) -> uvicorn.Config:
+                   cert_file: str | None = None, key_file: str | None = None,
+                   client_ca_file: str | None = None) -> uvicorn.Config:
     """Every service's REST server: HTTP/1.1 with a deadline for reading each request (TimedRequestProtocol), the
-    service's own logging and signal handling."""
+    service's own logging and signal handling; HTTPS with `cert_file`, asking clients for a certificate signed by
+    `client_ca_file` where one is given (optional in the handshake: each route decides whether it needs one)."""
+    tls = {}
+    if cert_file:
+        tls = {"ssl_certfile": cert_file, "ssl_keyfile": key_file}
+        if client_ca_file:
+            tls |= {"ssl_ca_certs": client_ca_file, "ssl_cert_reqs": ssl.CERT_OPTIONAL}
     return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                          http=TimedRequestProtocol.with_timeout(read_timeout_s), **ssl)
+                          http=TimedRequestProtocol.with_timeout(read_timeout_s), **tls)
 
 
 class QuietUvicorn(uvicorn.Server):

@@ -49,8 +49,8 @@ class SecurityConfig(StrictModel):
     tls_cert_file: str | None = Field(None, description="PEM certificate chain: serve gRPC and REST over TLS.")
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
     tls_client_ca_file: str | None = Field(
-        None, description="PEM CA bundle: gRPC clients must present a certificate it signed (mutual TLS). REST "
-        "stays server-authenticated only, so probes need no client certificate.")
+        None, description="PEM CA bundle: clients must present a certificate it signed (mutual TLS), on every gRPC "
+        "call and every REST route but the probes (/health, /ready, /metrics), which need none.")
 
 
 # command-line shorthands every server takes; `--allow-insecure` is a switch
@@ -184,6 +184,25 @@ def add_rest_auth(app: FastAPI, token: str, metrics: ServiceMetrics) -> None:
         metrics.record_request(route.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)  # a route's own path
         return JSONResponse({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
                             status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+# The key of each REST request's scope["state"] saying whether its connection presented a verified client certificate
+# (set by serving.rest.TimedRequestProtocol).
+CLIENT_CERTIFIED = "tls_client_certified"
+
+
+def add_rest_client_cert_check(app: FastAPI, metrics: ServiceMetrics) -> None:
+    """401 for a REST route other than the probes on a connection without a client certificate signed by the
+    server's tls_client_ca_file: mutual TLS guards /get_reward as it guards gRPC, while probes need no certificate."""
+
+    @app.middleware("http")
+    async def require_client_certificate(request: Request, call_next):
+        route = next((r for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE), None)
+        if request.url.path in OPEN_REST_PATHS or route is None or request.scope.get("state", {}).get(CLIENT_CERTIFIED):
+            return await call_next(request)
+        metrics.record_request(route.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)
+        return JSONResponse({"detail": "this server takes calls only from clients with a certificate signed by its "
+                                       "tls_client_ca_file (mutual TLS); present one"}, status_code=401)
 
 
 class _CallDetails(namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",

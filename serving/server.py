@@ -38,6 +38,7 @@ from .security import (
     AuthInterceptor,
     SecurityError,
     add_rest_auth,
+    add_rest_client_cert_check,
     check_exposure,
     load_token,
     server_credentials,
@@ -238,6 +239,8 @@ class Service:
         self.app.add_middleware(BodyLimit, limit=receive_limit, key="max_message_mb, max_request_rows")
         if token:  # outermost: a caller without the token is refused before its body is read
             add_rest_auth(self.app, token, self.metrics)
+        if cfg.tls_client_ca_file:  # mutual TLS covers REST too, but for the probes
+            add_rest_client_cert_check(self.app, self.metrics)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
         server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
                                  options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0),
@@ -263,7 +266,7 @@ class Service:
         await server.start()
 
         http = QuietUvicorn(uvicorn_config(self.app, cfg.host, cfg.http_port, cfg.http_read_timeout_s,
-                                           ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file))
+                                           cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file))
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         log.info("%s listening: gRPC%s %s:%d, HTTP%s %s:%d%s", self.name, " (TLS)" if credentials else "", cfg.host,
                  bound, "S" if credentials else "", cfg.host, http_socket.getsockname()[1],

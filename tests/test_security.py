@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from actor.clients import RemoteError
+from actor.clients import OpenRLHFRewardClient, RemoteError
 from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2, reward_pb2_grpc
 from serving.security import TOKEN_ENV
 from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
@@ -302,6 +302,30 @@ def test_mutual_tls_needs_a_client_certificate(embedded_cache, log_dir, pki):
             wrong_ca.info()
         assert time.monotonic() - started < 30
         wrong_ca.close()
+        # REST: the probes need no certificate; /get_reward needs one the client CA signed, as gRPC does
+        ca_only = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        with_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        with_cert.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+        query = {"query": ["river => good"]}
+        for path in ("/health", "/ready", "/metrics"):
+            assert httpx.get(f"{server.http}{path}", verify=ca_only, timeout=10).status_code == 200, path
+        refused = httpx.post(f"{server.http}/get_reward", json=query, verify=ca_only, timeout=30)
+        assert refused.status_code == 401 and "tls_client_ca_file (mutual TLS)" in refused.json()["detail"]
+        answered = httpx.post(f"{server.http}/get_reward", json=query, verify=with_cert, timeout=30)
+        assert answered.status_code == 200 and len(answered.json()["rewards"]) == 1
+        metrics = httpx.get(f"{server.http}/metrics", verify=ca_only, timeout=10).text
+        assert 'ppo_reward_requests_total{code="UNAUTHENTICATED",method="get_reward"} 1.0' in metrics
+        # the actor's own OpenRLHF client presents its certificate
+        openrlhf = OpenRLHFRewardClient(RewardConfig(source="openrlhf", url=f"{server.http}/get_reward",
+                                                     tls_ca_file=str(pki / "ca.pem"), tls_cert_file=str(pki / "client.pem"),
+                                                     tls_key_file=str(pki / "client.key")))
+        assert openrlhf.score_texts(["river => good"], [""]).result()[0].shape == (1,)
+        # its keep-alive connection, idle and open, does not hold the server's stop: over TLS the server's close
+        # waits for the client's close_notify (30 s) unless the server drops the connection a second later (before
+        # the 5 s after which an idle keep-alive connection is closed anyway)
+        started = time.monotonic()
+        assert server.terminate(60) == 0
+        assert time.monotonic() - started < 4, "a server over TLS waited for an idle client at shutdown"
 
 
 def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, pki, tmp_path):
