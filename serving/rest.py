@@ -99,8 +99,10 @@ def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable
 
 
 # How long a client may take to send a whole request from the moment the server waits for one (the connection's
-# opening, or the end of its last response), plus one second for every READ_MIN_RATE bytes it has sent: a large body
-# on a slow link arrives as long as it keeps at least that rate (Apache's mod_reqtimeout works the same way).
+# opening, or the end of its last response), plus one second for every READ_MIN_RATE bytes it has sent, and how long
+# it may fall silent while it sends one: a large body on a slow link arrives as long as it keeps at least that rate
+# on average and never pauses that long (Apache's mod_reqtimeout and nginx's client_body_timeout, together). The same
+# time bounds how long a client may leave the server's reply unread.
 REQUEST_READ_TIMEOUT_S = 30.0
 READ_MIN_RATE = 64 * 1024
 # How long a connection this server has closed may take to go (see TimedRequestProtocol._reap_when_closed).
@@ -108,19 +110,26 @@ CLOSE_WAIT_S = 1.0
 
 
 class TimedRequestProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, with a deadline for reading each request: a connection that has not sent its
-    whole request (head and body) within `read_timeout_s` of the server starting to wait for it, plus a second for
-    every READ_MIN_RATE bytes sent, is closed. uvicorn alone closes only a connection that stays silent after a
-    response (timeout_keep_alive, which every byte resets) and none before its first request, so a client that opens
-    connections and sends nothing, or a byte every few seconds ("slowloris"), held each one, and its file descriptor,
-    for as long as it liked. Work on a whole request is not timed: a slow /get_reward is answered however long it
-    computes. A connection the server has closed is dropped if it lingers (`_reap_when_closed`), and each one records
-    whether its client presented a verified certificate (CLIENT_CERTIFIED, in its requests' scope state)."""
+    """uvicorn's HTTP/1.1 protocol with deadlines on what a client owes the server:
+
+    - its request: a connection that has not sent its whole request (head and body) within `read_timeout_s` of the
+      server starting to wait for it, plus a second for every READ_MIN_RATE bytes sent, or that falls silent for
+      `read_timeout_s` while it sends one, is closed. uvicorn alone closes only a connection that stays silent after
+      a response (timeout_keep_alive, which every byte resets) and none before its first request, so a client that
+      opened connections and sent nothing, or a byte every few seconds ("slowloris"), held each one, and its file
+      descriptor, for as long as it liked;
+    - reading the reply: a connection whose client leaves the server's writes blocked (a full buffer) for
+      `read_timeout_s` is dropped; uvicorn waited for it without end, shutdown included.
+
+    Work on a whole request is not timed: a slow /get_reward is answered however long it computes. A connection the
+    server has closed is dropped if it lingers (`_reap_when_closed`), and each one records whether its client
+    presented a verified certificate (CLIENT_CERTIFIED, in its requests' scope state)."""
 
     read_timeout_s = REQUEST_READ_TIMEOUT_S
     _read_deadline: asyncio.TimerHandle | None = None
+    _write_deadline: asyncio.TimerHandle | None = None
     _lost = _reaping = False
-    _waiting_since = 0.0
+    _waiting_since = _last_data = 0.0
     _received = 0
 
     @classmethod
@@ -138,6 +147,7 @@ class TimedRequestProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._received += len(data)
+        self._last_data = self.loop.time()
         super().data_received(data)
         self._watch_reading(moved=True)
 
@@ -148,10 +158,24 @@ class TimedRequestProtocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._stop_deadline()
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
         super().connection_lost(exc)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.read_timeout_s, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
     def shutdown(self) -> None:
-        super().shutdown()
+        if not self.transport.is_closing():  # a second close of a TLS transport detaches it from its TLS layer
+            super().shutdown()
         self._reap_when_closed()
 
     def timeout_keep_alive_handler(self) -> None:
@@ -162,7 +186,8 @@ class TimedRequestProtocol(H11Protocol):
         """Once this server has closed the connection, drop it if it is still there CLOSE_WAIT_S later. Over TLS a
         close sends close_notify and then waits for the client's, up to asyncio's ssl_shutdown_timeout (30 s): an idle
         keep-alive client (a Prometheus scraper over HTTPS) held the server's shutdown, and with it the critic's exit
-        save, for those 30 s. A response still being written is given until its buffer drains."""
+        save, for those 30 s. A reply still being written is given until its buffer drains (a client that leaves it
+        unread is dropped by the write deadline)."""
         if self._reaping or self._lost:
             return
         self._reaping = True
@@ -170,7 +195,11 @@ class TimedRequestProtocol(H11Protocol):
         def check() -> None:
             if self._lost:
                 return
-            if self.transport.is_closing() and self.transport.get_write_buffer_size() == 0:
+            try:
+                pending = self.transport.get_write_buffer_size()
+            except AttributeError:  # a TLS transport closed twice has let go of its TLS layer: nothing to flush
+                pending = 0
+            if self.transport.is_closing() and pending == 0:
                 self.transport.abort()
             else:  # still answering a request, or writing out its reply
                 self.loop.call_later(CLOSE_WAIT_S, check)
@@ -179,17 +208,23 @@ class TimedRequestProtocol(H11Protocol):
 
     def _watch_reading(self, moved: bool = False) -> None:
         """A deadline runs while the client owes (part of) a request; it starts when the wait does, and the bytes
-        that arrive move it on at READ_MIN_RATE."""
-        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY) or self.transport.is_closing():
+        that arrive move it on at READ_MIN_RATE, to at most `read_timeout_s` after the last of them."""
+        if self.transport.is_closing():  # closed by the server (Connection: close, HTTP/1.0, a 400 or 413)
+            self._stop_deadline()
+            self._reap_when_closed()
+            return
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             self._stop_deadline()
             return
         if self._read_deadline is None:
-            self._waiting_since, self._received = self.loop.time(), 0
+            self._waiting_since = self._last_data = self.loop.time()
+            self._received = 0
         elif not moved:
             return
         else:
             self._read_deadline.cancel()
-        when = self._waiting_since + self.read_timeout_s + self._received / READ_MIN_RATE
+        when = min(self._waiting_since + self.read_timeout_s + self._received / READ_MIN_RATE,
+                   self._last_data + self.read_timeout_s)
         self._read_deadline = self.loop.call_at(when, self._read_timed_out)
 
     def _stop_deadline(self) -> None:

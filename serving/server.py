@@ -312,6 +312,9 @@ class Service:
         if self.worker is not None:
             finished = await self.worker.drain(max(0.0, deadline - time.monotonic()))
         await server.stop(min(_REPLY_FLUSH_S, max(0.0, deadline - time.monotonic())) if finished else 0)
+        # REST within the same deadline: uvicorn alone waits for every connection to close, however long a client
+        # takes to finish sending a request or to read its reply; past it, its requests still running are cancelled
+        http.config.timeout_graceful_shutdown = max(1, deadline - time.monotonic())
         http.should_exit = True
         await http_task
         if not finished:

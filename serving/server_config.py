@@ -50,9 +50,10 @@ class ServerConfig(SecurityConfig):
     http_read_timeout_s: float = Field(
         30.0, gt=0, allow_inf_nan=False, description="How long a REST client may take to send a whole request (head "
         "and body), counted from its connection's opening or its last response, plus one second for every 64 KiB it "
-        "sends (a large body arrives at any rate above that); past it the connection is closed. Without it a client "
-        "that sends nothing, or a byte every few seconds, holds a connection and its file descriptor for good. "
-        "Computing the reply is not timed.")
+        "sends (a large body arrives at any average rate above that), and how long it may fall silent within one; "
+        "past either the connection is closed. A client that leaves the server's writes blocked (its replies unread) "
+        "for as long is dropped. Without these a client that sends nothing, or a byte every few seconds, or reads "
+        "nothing, holds a connection and its file descriptor for good. Computing the reply is not timed.")
     min_ping_interval_s: float = Field(
         5.0, ge=0, allow_inf_nan=False, description="The shortest interval at which a client may send keepalive "
         "pings while its call sends no data (the actor pings every keepalive_s, 30 s by default, to find a frozen "

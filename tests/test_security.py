@@ -184,9 +184,34 @@ def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected, pk
         "half a head": (b"GET /health HTTP/1.1\r\nHost: x\r\n", False),
         "half a body": (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", False),
         "a trickled head": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 40, True),
+        # 512 KiB at once earns 8 s more at 64 KiB/s, but not a pause longer than the deadline
+        "a burst, then silence": (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n"
+                                  + b" " * 512 * 1024, False),
     }
-    with concurrent.futures.ThreadPoolExecutor(len(slow) + 1) as pool:
+
+    def replies_read_after_a_pause(requests: int) -> int:
+        """Pipelines `requests` GET /metrics (1.4 KB and more each: more than the kernel buffers between the two
+        hold) on a small receive buffer, reads nothing for twice the deadline, then reads what it can: all of the
+        replies, unless the server dropped the connection for leaving its writes blocked."""
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.connect(("127.0.0.1", server.http_port))
+        with (context.wrap_socket(raw, server_hostname="127.0.0.1") if context else raw) as sock:
+            received = b""
+            try:
+                sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
+                time.sleep(5)
+                sock.settimeout(10)
+                while chunk := sock.recv(1 << 20):
+                    received += chunk
+                    if received.count(b"HTTP/1.1 200") >= requests and received.endswith(b"\n"):
+                        break
+            except OSError:
+                pass
+            return received.count(b"HTTP/1.1 200")
+    with concurrent.futures.ThreadPoolExecutor(len(slow) + 2) as pool:
         held = {name: pool.submit(held_for, *how) for name, how in slow.items()}
+        unread = pool.submit(replies_read_after_a_pause, 6000)
         # meanwhile one client sends a request every 0.9 s on one connection, for longer than the deadline
         with httpx.Client(verify=server.tls_context(), timeout=10) as client:
             for _ in range(4):
@@ -194,6 +219,7 @@ def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected, pk
                 time.sleep(0.9)
         for name, future in held.items():
             assert 1.5 < future.result() < 6, (name, future.result())
+        assert unread.result() < 6000, "a client that left its replies unread kept its connection"
     if kind == "reward":  # 256 KiB in 3.2 s: past the 2 s, at 80 KiB/s, above the 64 KiB/s that moves the deadline on
         body = json.dumps({"query": ["river => good"]}).encode()
         body += b" " * (256 * 1024 - len(body))
@@ -323,9 +349,14 @@ def test_mutual_tls_needs_a_client_certificate(embedded_cache, log_dir, pki):
         # its keep-alive connection, idle and open, does not hold the server's stop: over TLS the server's close
         # waits for the client's close_notify (30 s) unless the server drops the connection a second later (before
         # the 5 s after which an idle keep-alive connection is closed anyway)
+        # nor does a connection the server closed after an HTTP/1.0 reply, whose client ignores TLS's close_notify
+        closed = ca_only.wrap_socket(socket.create_connection(("127.0.0.1", server.http_port)),
+                                     server_hostname="127.0.0.1")
+        closed.sendall(b"GET /health HTTP/1.0\r\n\r\n")
         started = time.monotonic()
         assert server.terminate(60) == 0
         assert time.monotonic() - started < 4, "a server over TLS waited for an idle client at shutdown"
+        closed.close()
 
 
 def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, pki, tmp_path):
