@@ -171,12 +171,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(refuse)
 
 
+def route_of(request: Request):
+    """The app's route that `request` matches, or None (a 404)."""
+    return next((r for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE), None)
+
+
 def add_rest_auth(app: FastAPI, token: str, metrics: ServiceMetrics) -> None:
     """401 for a REST route other than the probes without `Authorization: Bearer <token>`."""
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
-        route = next((r for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE), None)
+        route = route_of(request)
         headers = request.headers.getlist("authorization")
         if request.url.path in OPEN_REST_PATHS or route is None or (
                 len(headers) == 1 and bearer_matches(headers[0], token)):
@@ -197,7 +202,7 @@ def add_rest_client_cert_check(app: FastAPI, metrics: ServiceMetrics) -> None:
 
     @app.middleware("http")
     async def require_client_certificate(request: Request, call_next):
-        route = next((r for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE), None)
+        route = route_of(request)
         if request.url.path in OPEN_REST_PATHS or route is None or request.scope.get("state", {}).get(CLIENT_CERTIFIED):
             return await call_next(request)
         metrics.record_request(route.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)
