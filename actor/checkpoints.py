@@ -12,7 +12,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import IO, Any
@@ -62,6 +61,11 @@ def lock_run_dir(run_dir: Path) -> IO[str]:
     return f
 
 
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a checkpoint directory's: step_N."""
+    return name.startswith("step_") and name.removeprefix("step_").isdigit()
+
+
 def step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
@@ -70,7 +74,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest step first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit() and (p / STATE_FILE).is_file()]
+    found = [p for p in root.glob("step_*") if is_step_name(p.name) and (p / STATE_FILE).is_file()]
     return sorted(found, key=step_of)
 
 
@@ -90,7 +94,7 @@ def resume_point(cfg: CheckpointingConfig, root: Path) -> Path | None:
         found = complete_checkpoints(root)
         return found[-1] if found else None
     path = Path(cfg.resume).expanduser()
-    if not (path / STATE_FILE).is_file() and re.fullmatch(r"step_\d+", cfg.resume) and (root / cfg.resume).is_dir():
+    if not (path / STATE_FILE).is_file() and is_step_name(cfg.resume) and (root / cfg.resume).is_dir():
         path = root / cfg.resume  # a bare step_N: this run's own checkpoint of that step
     if not (path / STATE_FILE).is_file():
         raise ResumeError(f"checkpointing.resume: {path} is no actor checkpoint (no {STATE_FILE}); expected auto, "

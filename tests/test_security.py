@@ -7,7 +7,6 @@ import concurrent.futures
 import json
 import shutil
 import socket
-import ssl
 import subprocess
 import sys
 import time
@@ -152,12 +151,12 @@ def test_every_rest_route_but_the_probes_needs_the_token(protected, pki):
     assert {m for m, _ in refused} <= methods, refused
 
 
-def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected, pki):
+def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected):
     """Connections that send nothing, half a head, or half a body are closed once http_read_timeout_s (2 s here)
     has passed since the server began waiting for their request, however they trickle; one that finishes each request
     in time keeps its connection across requests, and a large body that keeps up READ_MIN_RATE arrives whole."""
-    server, kind, transport = protected
-    context = ssl.create_default_context(cafile=str(pki / "ca.pem")) if transport == "tls" else None
+    server, kind, _ = protected
+    context = server.tls_context() or None  # the CA that signed the server's certificate, over TLS
     started = time.monotonic()
 
     def connect() -> socket.socket:
@@ -329,8 +328,8 @@ def test_mutual_tls_needs_a_client_certificate(embedded_cache, log_dir, pki):
         assert time.monotonic() - started < 30
         wrong_ca.close()
         # REST: the probes need no certificate; /get_reward needs one the client CA signed, as gRPC does
-        ca_only = ssl.create_default_context(cafile=str(pki / "ca.pem"))
-        with_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        ca_only = server.tls_context()
+        with_cert = server.tls_context()
         with_cert.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
         query = {"query": ["river => good"]}
         for path in ("/health", "/ready", "/metrics"):
