@@ -159,13 +159,15 @@ class ModelWorker:
             rows += nxt.rows
         return batch
 
-    async def drain(self, timeout: float) -> bool:
-        """Stop accepting work and wait up to `timeout` for what is queued or running to finish. Returns
-        False when work was still running at the deadline (its thread is then left to the caller)."""
-        self._accepting = False
+    async def drain(self, timeout: float, coming: Callable[[], bool] = lambda: False) -> bool:
+        """Wait up to `timeout` for what is queued or running to finish, and for the work of callers still
+        `coming()` (requests admitted before the server began to stop; the caller refuses any other), then stop
+        accepting work. Returns False when work was still running at the deadline (its thread is then left to the
+        caller)."""
         deadline = time.monotonic() + timeout
-        while (self._queue or self._busy) and time.monotonic() < deadline:
+        while (self._queue or self._busy or coming()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        self._accepting = False
         finished = not (self._queue or self._busy)
         if self._task is not None:
             self._task.cancel()

@@ -7,7 +7,9 @@ import contextlib
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import h11
 import uvicorn
@@ -73,6 +75,25 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+# The scope state key of when a request's bytes reached the server (time.monotonic(); TimedRequestProtocol)
+REQUEST_ARRIVED = "request_arrived"
+
+
+class ServingRequests:
+    """ASGI middleware: each HTTP request is served inside `serving(arrived)`, `arrived` being when its bytes reached
+    the server, so that a server that begins to stop still serves the requests that arrived before (one still being
+    received or parsed included) and waits for them (serving.server.Service.serving_request)."""
+
+    def __init__(self, app, serving: Callable[[float], AbstractContextManager]):
+        self.app, self.serving = app, serving
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        with self.serving(scope.get("state", {}).get(REQUEST_ARRIVED, time.monotonic())):
+            await self.app(scope, receive, send)
+
+
 def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable[[], bool]) -> None:
     # HEAD too (RFC 9110: wherever GET is), which some load balancers and uptime checkers probe with
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -122,8 +143,8 @@ class TimedRequestProtocol(H11Protocol):
       `read_timeout_s` is dropped; uvicorn waited for it without end, shutdown included.
 
     Work on a whole request is not timed: a slow /get_reward is answered however long it computes. A connection the
-    server has closed is dropped if it lingers (`_reap_when_closed`), and each one records whether its client
-    presented a verified certificate (CLIENT_CERTIFIED, in its requests' scope state)."""
+    server has closed is dropped if it lingers (`_reap_when_closed`). Each request's scope state records whether its
+    client presented a verified certificate (CLIENT_CERTIFIED) and when its bytes arrived (REQUEST_ARRIVED)."""
 
     read_timeout_s = REQUEST_READ_TIMEOUT_S
     _read_deadline: asyncio.TimerHandle | None = None
@@ -148,6 +169,8 @@ class TimedRequestProtocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         self._received += len(data)
         self._last_data = self.loop.time()
+        # the arrival of a request whose head these bytes complete (its scope's state is a copy taken then)
+        self.app_state[REQUEST_ARRIVED] = time.monotonic()
         super().data_received(data)
         self._watch_reading(moved=True)
 

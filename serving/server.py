@@ -1,13 +1,16 @@
 """Running a service: gRPC (with health and reflection) and REST in one event loop, one signal handler.
 
 Start-up: both listeners come up first (liveness answers at once), the model loads in a thread, then
-readiness turns on. SIGTERM/SIGINT: health NOT_SERVING and /ready 503 first, then new RPCs are refused,
-in-flight and queued work finishes within the grace period, and the process exits 0.
+readiness turns on. SIGTERM/SIGINT: health NOT_SERVING and /ready 503 first, then requests that arrive are refused,
+while those that arrived before (queued, running, or still being received or validated) finish within the grace
+period, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -15,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from .codec import retain_freed_memory
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
 from .modeling import DeviceUnavailable, set_thread_budget
-from .rest import BodyLimit, PortTaken, QuietUvicorn, add_ops_routes, bind_http, uvicorn_config
+from .rest import BodyLimit, PortTaken, QuietUvicorn, ServingRequests, add_ops_routes, bind_http, uvicorn_config
 from .security import (
     AuthInterceptor,
     SecurityError,
@@ -51,6 +54,11 @@ log = logging.getLogger(__name__)
 _REPLY_FLUSH_S = 1.0  # after the model work drained: time for the last replies to reach their clients
 
 
+# When the request being served reached this server (time.monotonic()): one that arrived before the server began
+# to stop is still served (Service.require_ready)
+_ARRIVED: contextvars.ContextVar[float] = contextvars.ContextVar("request_arrived")
+
+
 _MAX_DETAILS = 2000  # characters; gRPC fails a call whose status message passes its 16 KiB metadata limit
 
 
@@ -63,7 +71,7 @@ def status_details(message: str) -> str:
 
 def rpc_method(name: str) -> Callable:
     """Wrap an async servicer method: count and time it, map ServiceError to its gRPC status, and turn any
-    other exception into INTERNAL without taking the server down. The servicer has `.metrics`."""
+    other exception into INTERNAL without taking the server down. The servicer has `.metrics` and `.service`."""
 
     def decorate(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         @functools.wraps(method)
@@ -71,7 +79,8 @@ def rpc_method(name: str) -> Callable:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                return await method(self, request, context)
+                with self.service.serving_request(time.monotonic()):
+                    return await method(self, request, context)
             except ServiceError as e:
                 code = e.grpc_code
                 await context.abort(code, status_details(str(e)))
@@ -159,6 +168,8 @@ class Service:
         self.worker: ModelWorker | None = None
         self.abandoned = False
         self.ready = False
+        self.stopping_since: float | None = None  # time.monotonic() when the shutdown began
+        self._requests: dict[object, float] = {}  # the requests being served, and when each arrived
         self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None)
         add_ops_routes(self.app, self.metrics.registry, lambda: self.ready)
 
@@ -187,9 +198,30 @@ class Service:
 
     # --- shared ---------------------------------------------------------------------------------
     def require_ready(self) -> ModelWorker:
-        if not self.ready or self.worker is None:
+        """The model worker, for a request this server serves: any while it is ready, and while it stops, those
+        that arrived before (a REST body still being received or parsed, a gRPC call still being validated)."""
+        if self.worker is None or not (self.ready or self._arrived_before_stop(_ARRIVED.get(None))):
             raise NotReady("model is not loaded yet or the server is shutting down")
         return self.worker
+
+    @contextlib.contextmanager
+    def serving_request(self, arrived: float) -> Iterator[None]:
+        """Serve one request (a gRPC call, a REST request) that reached the server at `arrived`; the shutdown waits
+        for those that arrived before it began (`_owed_requests`)."""
+        key, token = object(), _ARRIVED.set(arrived)
+        self._requests[key] = arrived
+        try:
+            yield
+        finally:
+            del self._requests[key]
+            _ARRIVED.reset(token)
+
+    def _arrived_before_stop(self, arrived: float | None) -> bool:
+        return self.stopping_since is not None and arrived is not None and arrived < self.stopping_since
+
+    def _owed_requests(self) -> bool:
+        """Whether requests that arrived before the shutdown are still being served."""
+        return any(self._arrived_before_stop(t) for t in self._requests.values())
 
     def _load_in_background(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         """Run load() in a daemon thread, so a SIGTERM during a long load need not wait for it."""
@@ -237,10 +269,12 @@ class Service:
         max_length = self.max_length_hint()
         receive_limit = receive_limit_bytes(cfg.max_message_mb, cfg.max_request_rows, max_length)
         self.app.add_middleware(BodyLimit, limit=receive_limit, key="max_message_mb, max_request_rows")
-        if token:  # outermost: a caller without the token is refused before its body is read
+        if token:  # outside the body limit: a caller without the token is refused before its body is read
             add_rest_auth(self.app, token, self.metrics)
         if cfg.tls_client_ca_file:  # mutual TLS covers REST too, but for the probes
             add_rest_client_cert_check(self.app, self.metrics)
+        # outermost: a request that arrived before a shutdown is served, however far it had got
+        self.app.add_middleware(ServingRequests, serving=self.serving_request)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
         server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
                                  options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0),
@@ -300,17 +334,18 @@ class Service:
             if self.worker.failed:
                 exit_code = 1
 
-        # One deadline: the model work that calls in flight wait for (queued and running) finishes first, then
-        # gRPC stops with a short window to send their replies; long-lived streams such as a health Watch
-        # must not hold the process for the whole grace period.
+        # One deadline: the requests that arrived before the shutdown, and the model work they wait for (queued and
+        # running), finish first, then gRPC stops with a short window to send their replies; long-lived streams
+        # such as a health Watch must not hold the process for the whole grace period.
         deadline = time.monotonic() + cfg.grace_period_s
         log.info("%s shutting down (grace %.0fs)", self.name, cfg.grace_period_s)
+        self.stopping_since = time.monotonic()
         self.ready = False
         self.metrics.ready.set(0)
         await health_servicer.enter_graceful_shutdown()
         finished = True
         if self.worker is not None:
-            finished = await self.worker.drain(max(0.0, deadline - time.monotonic()))
+            finished = await self.worker.drain(max(0.0, deadline - time.monotonic()), self._owed_requests)
         await server.stop(min(_REPLY_FLUSH_S, max(0.0, deadline - time.monotonic())) if finished else 0)
         # REST within the same deadline: uvicorn alone waits for every connection to close, however long a client
         # takes to finish sending a request or to read its reply; past it, its requests still running are cancelled

@@ -86,11 +86,21 @@ async def test_a_full_queue_is_refused_and_a_failing_batch_fails_only_its_caller
 
 
 async def test_drain_finishes_accepted_work_then_refuses_new_work():
+    """Drain waits for queued and running work, and takes the work of callers it is told are still coming (requests
+    that arrived before the server began to stop), then refuses any more."""
     worker = make_worker()
     pending = [asyncio.ensure_future(worker.run_exclusive("Train", lambda: time.sleep(0.05) or "ok")) for _ in range(3)]
+    coming = asyncio.get_running_loop().create_future()
+
+    async def late_caller():
+        await asyncio.sleep(0.3)  # still validating its request when the drain began
+        coming.set_result(await worker.run_exclusive("Train", lambda: "late but admitted"))
+
+    caller = asyncio.ensure_future(late_caller())
     await asyncio.sleep(0)
-    await worker.drain(10)
-    assert [p.result() for p in pending] == ["ok"] * 3
+    await worker.drain(10, coming=lambda: not coming.done())
+    assert [p.result() for p in pending] == ["ok"] * 3 and coming.result() == "late but admitted"
+    await caller
     with pytest.raises(NotReady):
         await worker.run_exclusive("Train", lambda: "late")
 

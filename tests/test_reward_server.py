@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import random
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -901,7 +904,27 @@ def test_every_scorer_is_documented_and_no_negative_is_served_as_a_component(exa
                                  "reward/no_negative": [0.75, 0.0]}
 
 
-def test_sigterm_exits_zero(rule_server):
+def test_sigterm_serves_the_requests_that_arrived_before_it_and_exits_zero(rule_server):
+    """A /get_reward whose body is still arriving when SIGTERM comes is answered (an OpenRLHF batch must not fail
+    for a rolling restart); one that arrives after it gets 503; the server then exits 0."""
+    body = json.dumps({"query": ["river => good"]}).encode()
+    expected = httpx.post(f"{rule_server.http}/get_reward", json=json.loads(body), timeout=10).json()["rewards"]
+    with socket.create_connection(("127.0.0.1", rule_server.http_port), timeout=30) as sock:
+        sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
+        time.sleep(0.3)
+        rule_server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (late := httpx.post(f"{rule_server.http}/get_reward", json={"query": ["x"]}, timeout=10)).status_code \
+                == 200 and time.monotonic() < deadline:  # until the server has begun to stop
+            time.sleep(0.05)
+        assert late.status_code == 503 and "shutting down" in late.json()["detail"]
+        sock.sendall(body[5:])
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
+            reply += sock.recv(65536) or b"}"
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["rewards"] == expected
     assert rule_server.terminate() == 0
 
 
