@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
+import math
 import socket
 import ssl
 import threading
@@ -262,19 +265,77 @@ class TimedRequestProtocol(H11Protocol):
         self._reap_when_closed()
 
 
+# How often each kind of client noise uvicorn logs may reach the log (ClientNoiseFilter)
+CLIENT_NOISE_EVERY_S = 60.0
+
+
+class ClientNoiseFilter(logging.Filter):
+    """uvicorn logs a warning for every malformed request and every WebSocket upgrade a client sends, so any client
+    that reaches a REST port could fill the log at its request rate. Each such warning passes at most once every
+    `every_s` seconds, saying how many were held back since; uvicorn's advice to install a WebSocket library is
+    dropped (these services serve no WebSocket: the upgrade is answered as a plain request)."""
+
+    NOISE = ("Invalid HTTP request received.", "Unsupported upgrade request.")
+    DROPPED = "No supported WebSocket library detected"
+
+    def __init__(self, every_s: float = CLIENT_NOISE_EVERY_S):
+        super().__init__()
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.DROPPED):
+            return False
+        if message not in self.NOISE:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(message, -math.inf) < self.every_s:
+                self._held[message] += 1
+                return False
+            self._last[message] = now
+            held = self._held.pop(message, 0)
+        if held:
+            record.msg, record.args = f"{message} ({held} more since the last such line, not logged)", ()
+        return True
+
+class TimedHandshakeLoop(asyncio.SelectorEventLoop):
+    """The servers' event loop: a client of a TLS listener must finish the TLS handshake within
+    `handshake_timeout_s` (their http_read_timeout_s). uvicorn passes no ssl_handshake_timeout, so asyncio's 60 s
+    applied whatever http_read_timeout_s said, and TimedRequestProtocol's deadline only starts once the handshake is
+    done: a client that opened TLS connections and never finished the handshake held each one for a minute."""
+
+    def __init__(self, handshake_timeout_s: float):
+        super().__init__()
+        self.handshake_timeout_s = handshake_timeout_s
+
+    async def create_server(self, *args, ssl_handshake_timeout=None, **kwargs):  # type: ignore[override]
+        if kwargs.get("ssl") is not None and ssl_handshake_timeout is None:
+            ssl_handshake_timeout = self.handshake_timeout_s
+        return await super().create_server(*args, ssl_handshake_timeout=ssl_handshake_timeout, **kwargs)
+
+
 def uvicorn_config(app: FastAPI, host: str, port: int, read_timeout_s: float = REQUEST_READ_TIMEOUT_S,
                    cert_file: str | None = None, key_file: str | None = None,
                    client_ca_file: str | None = None) -> uvicorn.Config:
     """Every service's REST server: HTTP/1.1 with a deadline for reading each request (TimedRequestProtocol), the
-    service's own logging and signal handling; HTTPS with `cert_file`, asking clients for a certificate signed by
-    `client_ca_file` where one is given (optional in the handshake: each route decides whether it needs one)."""
+    service's own logging (clients' noise held back: ClientNoiseFilter) and signal handling; HTTPS with `cert_file`,
+    asking clients for a certificate signed by `client_ca_file` where one is given (optional in the handshake: each
+    route decides whether it needs one)."""
     tls = {}
     if cert_file:
         tls = {"ssl_certfile": cert_file, "ssl_keyfile": key_file}
         if client_ca_file:
             tls |= {"ssl_ca_certs": client_ca_file, "ssl_cert_reqs": ssl.CERT_OPTIONAL}
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                          http=TimedRequestProtocol.with_timeout(read_timeout_s), **tls)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                            http=TimedRequestProtocol.with_timeout(read_timeout_s), **tls)
+    errors = logging.getLogger("uvicorn.error")  # after the Config, which sets up uvicorn's loggers
+    if not any(isinstance(f, ClientNoiseFilter) for f in errors.filters):
+        errors.addFilter(ClientNoiseFilter())
+    return config
 
 
 class QuietUvicorn(uvicorn.Server):

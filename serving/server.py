@@ -36,7 +36,16 @@ from .codec import retain_freed_memory
 from .errors import NotReady, ServiceError
 from .metrics import ServiceMetrics
 from .modeling import DeviceUnavailable, set_thread_budget
-from .rest import BodyLimit, PortTaken, QuietUvicorn, ServingRequests, add_ops_routes, bind_http, uvicorn_config
+from .rest import (
+    BodyLimit,
+    PortTaken,
+    QuietUvicorn,
+    ServingRequests,
+    TimedHandshakeLoop,
+    add_ops_routes,
+    bind_http,
+    uvicorn_config,
+)
 from .security import (
     AuthInterceptor,
     SecurityError,
@@ -372,7 +381,8 @@ def run_service(make_service: Callable[[], Service]) -> None:
         service = make_service()
     except DeviceUnavailable as e:
         sys.exit(f"error: {e}")
-    code = asyncio.run(service.serve())
+    with asyncio.Runner(loop_factory=functools.partial(TimedHandshakeLoop, service.cfg.http_read_timeout_s)) as runner:
+        code = runner.run(service.serve())
     if service.abandoned:  # a model thread is still busy: exit now rather than wait for it or tear it down
         logging.shutdown()
         os._exit(code)

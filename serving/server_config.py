@@ -52,8 +52,9 @@ class ServerConfig(SecurityConfig):
         "and body), counted from its connection's opening or its last response, plus one second for every 64 KiB it "
         "sends (a large body arrives at any average rate above that), and how long it may fall silent within one; "
         "past either the connection is closed. A client that leaves the server's writes blocked (its replies unread) "
-        "for as long is dropped. Without these a client that sends nothing, or a byte every few seconds, or reads "
-        "nothing, holds a connection and its file descriptor for good. Computing the reply is not timed.")
+        "for as long is dropped, and over TLS so is one that has not finished the TLS handshake by then. Without "
+        "these a client that sends nothing, or a byte every few seconds, or reads nothing, holds a connection and its "
+        "file descriptor for good. Computing the reply is not timed.")
     min_ping_interval_s: float = Field(
         5.0, ge=0, allow_inf_nan=False, description="The shortest interval at which a client may send keepalive "
         "pings while its call sends no data (the actor pings every keepalive_s, 30 s by default, to find a frozen "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actor.clients import OpenRLHFRewardClient, RemoteError
 from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2, reward_pb2_grpc
+from serving.rest import ClientNoiseFilter
 from serving.security import TOKEN_ENV
 from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 
@@ -159,13 +161,14 @@ def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected):
     context = server.tls_context() or None  # the CA that signed the server's certificate, over TLS
     started = time.monotonic()
 
-    def connect() -> socket.socket:
+    def connect(handshake: bool = True) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
-        return context.wrap_socket(sock, server_hostname="127.0.0.1") if context else sock
+        return context.wrap_socket(sock, server_hostname="127.0.0.1") if context and handshake else sock
 
-    def held_for(sending: bytes, trickle: bool = False) -> float:
-        """Seconds until the server closes a connection that sends `sending` (a byte every 0.3 s with trickle)."""
-        with connect() as sock:
+    def held_for(sending: bytes, trickle: bool = False, handshake: bool = True) -> float:
+        """Seconds until the server closes a connection that sends `sending` (a byte every 0.3 s with trickle);
+        over TLS, without `handshake`, one that never begins the TLS handshake (asyncio gave it 60 s)."""
+        with connect(handshake) as sock:
             opened = time.monotonic()
             try:
                 for piece in ([bytes([b]) for b in sending] if trickle else [sending]):
@@ -187,6 +190,8 @@ def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected):
         "a burst, then silence": (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n"
                                   + b" " * 512 * 1024, False),
     }
+    if context:
+        slow["no TLS handshake"] = (b"", False, False)
 
     def replies_read_after_a_pause(requests: int) -> int:
         """Pipelines `requests` GET /metrics (1.4 KB and more each: more than the kernel buffers between the two
@@ -234,6 +239,41 @@ def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected):
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     assert time.monotonic() - started < 16
+
+
+def test_malformed_requests_and_websocket_upgrades_reach_the_log_once_a_minute(protected):
+    """uvicorn logs a warning for each malformed request and WebSocket upgrade: any client could fill the log at its
+    request rate. Each kind reaches the log at most once a minute (the next line counts those held back), and its
+    advice to install a WebSocket library, for servers that serve none, not at all."""
+    server, _, _ = protected
+    context = server.tls_context() or None
+    before = server.log().count("\n")
+    for request in (b"NOT HTTP AT ALL\r\n\r\n",
+                    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n") * 15:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as raw, \
+                (context.wrap_socket(raw, server_hostname="127.0.0.1") if context else raw) as sock:
+            sock.sendall(request)
+            assert sock.recv(1024).split(b" ")[1] in (b"200", b"400")
+    assert httpx.get(f"{server.http}/health", verify=server.tls_context(), timeout=10).status_code == 200
+    logged = "\n".join(server.log().splitlines()[before:])
+    assert logged.count("Invalid HTTP request received.") <= 1, logged
+    assert logged.count("Unsupported upgrade request.") <= 1, logged
+    assert "WebSocket library" not in logged, logged
+
+
+def test_the_noise_filter_says_how_many_lines_it_held_back():
+    noise = ClientNoiseFilter(every_s=0.3)
+
+    def passes(message: str) -> logging.LogRecord | None:
+        record = logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, message, (), None)
+        return record if noise.filter(record) else None
+
+    assert passes("Invalid HTTP request received.")
+    assert not any(passes("Invalid HTTP request received.") for _ in range(3))
+    assert passes("Unsupported upgrade request.") and passes("Exceeded concurrency limit.")  # each kind on its own
+    time.sleep(0.35)
+    assert passes("Invalid HTTP request received.").getMessage() == (
+        "Invalid HTTP request received. (3 more since the last such line, not logged)")
 
 
 def test_probes_stay_open_and_refusals_are_counted(critic):
