@@ -11,11 +11,14 @@ cannot add series to /metrics.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import logging
 import os
 import re
+import ssl
+import time
 from collections import namedtuple
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +145,68 @@ def server_credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:
     client_ca = read_pem(cfg.tls_client_ca_file, "tls_client_ca_file")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
+
+
+# X509_V_ERR_CERT_NOT_YET_VALID and X509_V_ERR_CERT_HAS_EXPIRED (OpenSSL's x509_vfy.h)
+_NOT_YET_VALID, _EXPIRED = 9, 10
+# A certificate closer than this to its end is logged as a warning at start
+CERTIFICATE_WARN_DAYS = 14
+
+
+def check_certificate(cert_file: str, key_file: str) -> float | None:
+    """Check the server's certificate as its clients will, and return when it expires (seconds since the epoch).
+
+    A TLS handshake of the server's own chain with a client that trusts that chain, in memory (the standard library
+    decodes a certificate only once it has verified it). A certificate that has expired, that does not match its
+    key, or a file that is no PEM certificate or key, is a SecurityError naming the file: every client would refuse
+    the server, and before, it started as if nothing were wrong (a mismatched key was reported as a taken port).
+    Anything else the handshake finds (not yet valid, a certificate not meant for servers) is logged as a warning,
+    and None returned: the clients' own trust settings decide."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        server.load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as e:
+        why = ("the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(e) else
+               f"not a PEM certificate chain and its unencrypted key ({e.reason or e})")
+        raise SecurityError(f"tls_cert_file {cert_file} with tls_key_file {key_file}: {why}") from None
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False  # the names clients use are theirs to check
+    client.load_verify_locations(cafile=cert_file)
+    client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the chain's own first certificate is the trust anchor
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    ends = client.wrap_bio(bios[0], bios[1]), server.wrap_bio(bios[2], bios[3], server_side=True)
+    try:
+        for _ in range(8):  # a TLS 1.3 handshake takes two round trips
+            for end in ends:
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    end.do_handshake()
+            bios[2].write(bios[1].read())
+            bios[0].write(bios[3].read())
+            with contextlib.suppress(ValueError):  # "handshake not done yet"
+                return ssl.cert_time_to_seconds(ends[0].getpeercert()["notAfter"])
+    except ssl.SSLCertVerificationError as e:
+        if e.verify_code == _EXPIRED:
+            raise SecurityError(f"tls_cert_file {cert_file}: the certificate has expired, so every client would "
+                                f"refuse this server; renew it") from None
+        note = " (the host's clock may be behind)" if e.verify_code == _NOT_YET_VALID else ""
+        log.warning("tls_cert_file %s: clients that check it will refuse it: %s%s", cert_file, e.verify_message, note)
+    except ssl.SSLError as e:
+        log.warning("tls_cert_file %s could not be checked: %s", cert_file, e)
+    return None
+
+
+def report_certificate(cert_file: str, expires: float | None, metrics: ServiceMetrics) -> None:
+    """Log when the server's certificate expires (a warning within CERTIFICATE_WARN_DAYS) and export it for
+    alerting (`ppo_<service>_tls_certificate_expiry_timestamp_seconds`)."""
+    if expires is None:
+        return
+    metrics.certificate_expiry(expires)
+    days = (expires - time.time()) / 86400
+    until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
+    if days < CERTIFICATE_WARN_DAYS:
+        log.warning("tls_cert_file %s expires in %.1f days (%s): renew it before then", cert_file, days, until)
+    else:
+        log.info("tls_cert_file %s is valid until %s", cert_file, until)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

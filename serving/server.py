@@ -51,8 +51,10 @@ from .security import (
     SecurityError,
     add_rest_auth,
     add_rest_client_cert_check,
+    check_certificate,
     check_exposure,
     load_token,
+    report_certificate,
     server_credentials,
 )
 from .server_config import ServerConfig
@@ -270,6 +272,9 @@ class Service:
             token = load_token(cfg.auth_token_file)
             check_exposure(cfg.host, token, cfg, tls_alone=self.tls_alone_authenticates)
             credentials = server_credentials(cfg)
+            if cfg.tls_cert_file:
+                report_certificate(cfg.tls_cert_file, check_certificate(cfg.tls_cert_file, cfg.tls_key_file),
+                                   self.metrics)
         except SecurityError as e:
             log.error("%s: %s", self.name, e)
             return 2

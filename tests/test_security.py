@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import re
 import shutil
 import socket
 import subprocess
@@ -35,7 +36,8 @@ def openssl(*args: str, cwd) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by the CA."""
+    """A CA, a server certificate for 127.0.0.1/localhost (and an expired one) and a client certificate, all signed
+    by the CA."""
     d = tmp_path_factory.mktemp("pki")
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
             "-subj", "/CN=test-ca", cwd=d)
@@ -48,6 +50,8 @@ def pki(tmp_path_factory):
             extra = ["-extfile", "san.ext"]
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                 "-out", f"{name}.pem", "-days", "2", *extra, cwd=d)
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "expired.pem", "-days", "-1", cwd=d)  # ended a day before it began
     (d / "token").write_text(TOKEN + "\n")
     return d
 
@@ -298,6 +302,7 @@ def test_probes_stay_open_and_refusals_are_counted(critic):
     text = httpx.get(f"{critic.http}/metrics", timeout=10).text
     assert 'ppo_critic_requests_total{code="UNAUTHENTICATED",method="GetInfo"}' in text
     assert "ppo_services.v1" not in text and 'method=""' not in text and "Health.Check" not in text
+    assert "tls_certificate_expiry" not in text  # no TLS, no expiry: an alert on it never fires here
 
 
 def test_the_actor_sends_the_token(critic, pki):
@@ -330,6 +335,11 @@ def test_tls_with_the_token_from_the_environment(reward_tls, pki):
     ok = httpx.post(f"{url}/get_reward", json=body, verify=ca, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200 and len(ok.json()["rewards"]) == 1
     assert httpx.get(f"{url}/ready", verify=ca, timeout=10).status_code == 200
+    # the certificate's end, for alerts, and a warning at start since it is near (the test's lasts 2 days)
+    expiry = [s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", verify=ca, timeout=10).text)
+              for s in f.samples if s.name == "ppo_reward_tls_certificate_expiry_timestamp_seconds"]
+    assert len(expiry) == 1 and 86400 < expiry[0] - time.time() < 2 * 86400 + 60, expiry
+    assert re.search(r"WARNING .*tls_cert_file \S+server.pem expires in [12]\.\d days", reward_tls.log())
     # the actor's OpenRLHF-protocol client: TLS verified with the CA, the token in its header
     from actor.clients import OpenRLHFRewardClient
     from actor.config import RewardConfig
@@ -416,6 +426,18 @@ def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, 
     result = subprocess.run(cmd[:-4], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and "with no authentication" in result.stderr, result.stderr[-2000:]
     assert "with tls_client_ca_file (mutual TLS" in result.stderr
+
+
+def test_a_server_refuses_an_expired_certificate_or_a_key_that_does_not_match(pki):
+    """Every client would refuse it; before, it started as if nothing were wrong (a mismatched key was reported as a
+    taken gRPC port)."""
+    for cert, key, why in (("expired.pem", "server.key", "the certificate has expired"),
+                           ("server.pem", "client.key", "the key does not match the certificate")):
+        cmd = [sys.executable, "-m", "reward_server", "--port", str(free_port()), "--http-port", str(free_port()),
+               "--scorer", "positive_fraction", "--tls-cert-file", str(pki / cert), "--tls-key-file", str(pki / key)]
+        result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and why in result.stderr and f"tls_cert_file {pki / cert}" in result.stderr, \
+            result.stderr[-2000:]
 
 
 def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache, log_dir, pki, tmp_path):
