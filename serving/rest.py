@@ -302,6 +302,7 @@ class ClientNoiseFilter(logging.Filter):
             record.msg, record.args = f"{message} ({held} more since the last such line, not logged)", ()
         return True
 
+
 class TimedHandshakeLoop(asyncio.SelectorEventLoop):
     """The servers' event loop: a client of a TLS listener must finish the TLS handshake within
     `handshake_timeout_s` (their http_read_timeout_s). uvicorn passes no ssl_handshake_timeout, so asyncio's 60 s
