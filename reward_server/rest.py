@@ -19,6 +19,7 @@ servers, so a slice may hold nothing) gets empty lists.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -81,6 +82,9 @@ def add_reward_routes(service: RewardService) -> None:
         except ServiceError as e:
             code = e.grpc_code
             return JSONResponse({"detail": str(e)}, status_code=e.http_status)
+        except asyncio.CancelledError:  # the shutdown's grace period ended first (answered 503: ServingRequests)
+            code = grpc.StatusCode.UNAVAILABLE
+            raise
         except Exception as e:
             log.exception("get_reward failed")
             code = grpc.StatusCode.INTERNAL

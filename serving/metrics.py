@@ -50,8 +50,8 @@ class ServiceMetrics:
     def certificate_expiry(self, expires: float) -> None:
         """Export when the server's TLS certificate expires (only a server with TLS has the series, so that an alert
         on it never fires for one without)."""
-        Gauge(f"{self.prefix}_tls_certificate_expiry_timestamp_seconds", "When the server's TLS certificate expires "
-              "(seconds since the epoch; tls_cert_file)", registry=self.registry).set(expires)
+        Gauge(f"{self.prefix}_tls_certificate_expiry_timestamp_seconds", "When the first certificate of the "
+              "server's TLS chain expires (seconds since the epoch; tls_cert_file)", registry=self.registry).set(expires)
 
     def record_request(self, method: str, code: str, seconds: float | None = None) -> None:
         """Count one finished request by method and status code; time it when `seconds` is given."""

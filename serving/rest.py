@@ -85,7 +85,9 @@ REQUEST_ARRIVED = "request_arrived"
 class ServingRequests:
     """ASGI middleware: each HTTP request is served inside `serving(arrived)`, `arrived` being when its bytes reached
     the server, so that a server that begins to stop still serves the requests that arrived before (one still being
-    received or parsed included) and waits for them (serving.server.Service.serving_request)."""
+    received or parsed included) and waits for them (serving.server.Service.serving_request). One the server's
+    shutdown cancels when its grace period is over is answered 503, as those that arrive after the stop are (uvicorn
+    answered 500 and logged the cancellation's traceback; clients retry a 503, not a 500)."""
 
     def __init__(self, app, serving: Callable[[float], AbstractContextManager]):
         self.app, self.serving = app, serving
@@ -93,8 +95,24 @@ class ServingRequests:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = False
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         with self.serving(scope.get("state", {}).get(REQUEST_ARRIVED, time.monotonic())):
-            await self.app(scope, receive, send)
+            try:
+                await self.app(scope, receive, watched_send)
+            except asyncio.CancelledError:  # only the shutdown cancels a request: uvicorn's, at the grace deadline
+                if started:
+                    raise
+                body = b'{"detail": "the server stopped before this request finished (grace_period_s); retry it"}'
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
 
 
 def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable[[], bool]) -> None:
@@ -301,6 +319,21 @@ class ClientNoiseFilter(logging.Filter):
         if held:
             record.msg, record.args = f"{message} ({held} more since the last such line, not logged)", ()
         return True
+
+    def flush(self, logger: logging.Logger) -> None:
+        """Log the counts still held back (at shutdown: a burst that ended is otherwise never told)."""
+        with self._lock:
+            held, self._held = self._held, collections.Counter()
+        for message, count in held.items():
+            logger.warning("%s (%d more since the last such line, not logged)", message, count)
+
+
+def flush_client_noise() -> None:
+    """Log what ClientNoiseFilter still holds back (a server's last words)."""
+    errors = logging.getLogger("uvicorn.error")
+    for f in errors.filters:
+        if isinstance(f, ClientNoiseFilter):
+            f.flush(errors)
 
 
 class TimedHandshakeLoop(asyncio.SelectorEventLoop):

@@ -11,6 +11,7 @@ cannot add series to /metrics.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hmac
 import ipaddress
@@ -151,28 +152,70 @@ def server_credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:
 _NOT_YET_VALID, _EXPIRED = 9, 10
 # A certificate closer than this to its end is logged as a warning at start
 CERTIFICATE_WARN_DAYS = 14
+# The algorithm identifiers of Ed25519 and Ed448 keys (RFC 8410), as DER
+_EDWARDS_OIDS = (b"\x06\x03\x2b\x65\x70", b"\x06\x03\x2b\x65\x71")
+_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN PRIVATE KEY-----(.+?)-----END PRIVATE KEY-----", re.DOTALL)
+
+
+class _Encrypted(Exception):
+    """Raised for OpenSSL's passphrase prompt: a server never waits on a terminal for one."""
+
+
+def _no_passphrase() -> bytes:
+    raise _Encrypted
+
+
+def _subject(cert: dict) -> str:
+    names = dict(pair for rdn in cert.get("subject", ()) for pair in rdn)
+    return names.get("commonName") or str(cert.get("subject"))
+
+
+def _unusable(cert_file: str, key_file: str, error: ssl.SSLError) -> str:
+    """Why OpenSSL cannot serve `cert_file` with `key_file`, naming the file at fault."""
+    reason = error.reason or str(error)
+    if reason == "KEY_VALUES_MISMATCH":
+        return (f"tls_key_file {key_file} does not match the first certificate in tls_cert_file {cert_file}, the one "
+                f"served (the server's own certificate comes first, then the ones that issued it)")
+    if reason.endswith(("KEY_TOO_SMALL", "MD_TOO_WEAK")):
+        return (f"tls_cert_file {cert_file} with tls_key_file {key_file}: too weak for this host's OpenSSL ({reason}); "
+                f"use an RSA key of 2048 bits or more, or ECDSA P-256, signed with SHA-256 or better")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert_file)
+    except ssl.SSLError:
+        return f"tls_cert_file {cert_file} holds no PEM certificate"
+    return f"tls_key_file {key_file} holds no PEM private key ({reason})"
 
 
 def check_certificate(cert_file: str, key_file: str) -> float | None:
-    """Check the server's certificate as its clients will, and return when it expires (seconds since the epoch).
+    """Check the server's certificate chain as its clients will, and return when the first certificate of it expires
+    (seconds since the epoch; the server's own or one that issued it).
 
     A TLS handshake of the server's own chain with a client that trusts that chain, in memory (the standard library
-    decodes a certificate only once it has verified it). A certificate that has expired, that does not match its
-    key, or a file that is no PEM certificate or key, is a SecurityError naming the file: every client would refuse
-    the server, and before, it started as if nothing were wrong (a mismatched key was reported as a taken port).
-    Anything else the handshake finds (not yet valid, a certificate not meant for servers) is logged as a warning,
-    and None returned: the clients' own trust settings decide."""
+    decodes a certificate only once it has verified it). A SecurityError naming the file, since every client would
+    refuse the server: a certificate of the chain that has expired, a key that does not match the certificate, an
+    encrypted key (OpenSSL would wait at the terminal for its passphrase), a key gRPC cannot sign handshakes with
+    (Ed25519, Ed448), a file that holds no PEM certificate or key. Before, such a server started as if nothing were
+    wrong (a mismatched key was reported as a taken port). What else the handshake finds (not yet valid, a
+    certificate not meant for servers) is logged as a warning and None returned: the clients' own trust settings
+    decide. The client's CA bundle is not known here, so a chain missing an intermediate certificate is not found."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        server.load_cert_chain(cert_file, key_file)
+        server.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+    except _Encrypted:
+        raise SecurityError(f"tls_key_file {key_file} is encrypted: the servers take an unencrypted key (as gRPC does); "
+                            f"decrypt it (`openssl pkey -in KEY -out KEY.plain`) and keep it readable only by the "
+                            f"server") from None
     except ssl.SSLError as e:
-        why = ("the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(e) else
-               f"not a PEM certificate chain and its unencrypted key ({e.reason or e})")
-        raise SecurityError(f"tls_cert_file {cert_file} with tls_key_file {key_file}: {why}") from None
+        raise SecurityError(_unusable(cert_file, key_file, e)) from None
+    key = _PEM_PRIVATE_KEY.search(Path(key_file).read_bytes())
+    if key and any(oid in base64.b64decode(key[1])[:16] for oid in _EDWARDS_OIDS):  # it loaded: valid base64
+        raise SecurityError(f"tls_key_file {key_file} is an Ed25519 or Ed448 key: gRPC's TLS does not sign "
+                            f"handshakes with it, so no gRPC client could connect; use ECDSA P-256 or RSA")
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.check_hostname = False  # the names clients use are theirs to check
     client.load_verify_locations(cafile=cert_file)
-    client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the chain's own first certificate is the trust anchor
+    client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the chain's own certificates are the trust anchors
+    issuers = client.get_ca_certs()  # the chain's CA certificates, decoded (the server's own is not one)
     bios = [ssl.MemoryBIO() for _ in range(4)]
     ends = client.wrap_bio(bios[0], bios[1]), server.wrap_bio(bios[2], bios[3], server_side=True)
     try:
@@ -183,11 +226,14 @@ def check_certificate(cert_file: str, key_file: str) -> float | None:
             bios[2].write(bios[1].read())
             bios[0].write(bios[3].read())
             with contextlib.suppress(ValueError):  # "handshake not done yet"
-                return ssl.cert_time_to_seconds(ends[0].getpeercert()["notAfter"])
+                own = ends[0].getpeercert()
+                return min(ssl.cert_time_to_seconds(c["notAfter"]) for c in [own, *issuers])
     except ssl.SSLCertVerificationError as e:
         if e.verify_code == _EXPIRED:
-            raise SecurityError(f"tls_cert_file {cert_file}: the certificate has expired, so every client would "
-                                f"refuse this server; renew it") from None
+            ended = [_subject(c) for c in issuers if ssl.cert_time_to_seconds(c["notAfter"]) < time.time()]
+            which = f"the certificate {ended[0]!r} that issued the server's" if ended else "the server's certificate"
+            raise SecurityError(f"tls_cert_file {cert_file}: {which} has expired, so every client would refuse this "
+                                f"server; renew it") from None
         note = " (the host's clock may be behind)" if e.verify_code == _NOT_YET_VALID else ""
         log.warning("tls_cert_file %s: clients that check it will refuse it: %s%s", cert_file, e.verify_message, note)
     except ssl.SSLError as e:
@@ -196,7 +242,7 @@ def check_certificate(cert_file: str, key_file: str) -> float | None:
 
 
 def report_certificate(cert_file: str, expires: float | None, metrics: ServiceMetrics) -> None:
-    """Log when the server's certificate expires (a warning within CERTIFICATE_WARN_DAYS) and export it for
+    """Log when the server's certificate chain expires (a warning within CERTIFICATE_WARN_DAYS) and export it for
     alerting (`ppo_<service>_tls_certificate_expiry_timestamp_seconds`)."""
     if expires is None:
         return
@@ -204,9 +250,10 @@ def report_certificate(cert_file: str, expires: float | None, metrics: ServiceMe
     days = (expires - time.time()) / 86400
     until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
     if days < CERTIFICATE_WARN_DAYS:
-        log.warning("tls_cert_file %s expires in %.1f days (%s): renew it before then", cert_file, days, until)
+        log.warning("the certificate chain in tls_cert_file %s expires in %.1f days (%s): renew it before then",
+                    cert_file, days, until)
     else:
-        log.info("tls_cert_file %s is valid until %s", cert_file, until)
+        log.info("the certificate chain in tls_cert_file %s is valid until %s", cert_file, until)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -44,6 +44,7 @@ from .rest import (
     TimedHandshakeLoop,
     add_ops_routes,
     bind_http,
+    flush_client_noise,
     uvicorn_config,
 )
 from .security import (
@@ -291,7 +292,10 @@ class Service:
         self.app.add_middleware(ServingRequests, serving=self.serving_request)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
         server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
+                                 # a connection that has not finished its handshake (TLS, HTTP/2's opening) by
+                                 # http_read_timeout_s is closed, as on REST (gRPC's own default is 60 s or more)
                                  options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0),
+                                          ("grpc.server_handshake_timeout_ms", int(cfg.http_read_timeout_s * 1000)),
                                           ("grpc.http2.min_recv_ping_interval_without_data_ms",
                                            int(cfg.min_ping_interval_s * 1000))])
         names = self.add_servicers(server)
@@ -366,6 +370,7 @@ class Service:
         http.config.timeout_graceful_shutdown = max(1, deadline - time.monotonic())
         http.should_exit = True
         await http_task
+        flush_client_noise()
         if not finished:
             log.warning("%s: grace period over with model work still running; abandoning it", self.name)
             self.abandoned = True

@@ -52,7 +52,8 @@ class ServerConfig(SecurityConfig):
         "and body), counted from its connection's opening or its last response, plus one second for every 64 KiB it "
         "sends (a large body arrives at any average rate above that), and how long it may fall silent within one; "
         "past either the connection is closed. A client that leaves the server's writes blocked (its replies unread) "
-        "for as long is dropped, and over TLS so is one that has not finished the TLS handshake by then. Without "
+        "for as long is dropped, and so is one (REST or gRPC) that has not finished its handshake by then (TLS, "
+        "HTTP/2's opening). Without "
         "these a client that sends nothing, or a byte every few seconds, or reads nothing, holds a connection and its "
         "file descriptor for good. Computing the reply is not timed.")
     min_ping_interval_s: float = Field(

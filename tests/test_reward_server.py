@@ -62,7 +62,8 @@ def server(embedded_cache, log_dir):
 
 @pytest.fixture(scope="module")
 def rule_server(embedded_cache, log_dir):
-    with ServiceProcess("reward", "--scorer", "positive_fraction", log_dir=log_dir,
+    """A rule scorer (3 s of grace at its SIGTERM, the last test's)."""
+    with ServiceProcess("reward", "--scorer", "positive_fraction", "grace_period_s=3", log_dir=log_dir,
                         env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as proc:
         yield proc
 
@@ -906,26 +907,39 @@ def test_every_scorer_is_documented_and_no_negative_is_served_as_a_component(exa
 
 def test_sigterm_serves_the_requests_that_arrived_before_it_and_exits_zero(rule_server):
     """A /get_reward whose body is still arriving when SIGTERM comes is answered (an OpenRLHF batch must not fail
-    for a rolling restart); one that arrives after it gets 503; the server then exits 0."""
+    for a rolling restart); one that arrives after it gets 503, and so does one still arriving when the grace period
+    (3 s) ends, without a traceback; the server then exits 0."""
     body = json.dumps({"query": ["river => good"]}).encode()
     expected = httpx.post(f"{rule_server.http}/get_reward", json=json.loads(body), timeout=10).json()["rewards"]
-    with socket.create_connection(("127.0.0.1", rule_server.http_port), timeout=30) as sock:
-        sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
-        time.sleep(0.3)
-        rule_server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while (late := httpx.post(f"{rule_server.http}/get_reward", json={"query": ["x"]}, timeout=10)).status_code \
-                == 200 and time.monotonic() < deadline:  # until the server has begun to stop
-            time.sleep(0.05)
-        assert late.status_code == 503 and "shutting down" in late.json()["detail"]
-        sock.sendall(body[5:])
+    head = (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+
+    def reply_to(sock: socket.socket) -> bytes:
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
             reply += sock.recv(65536) or b"}"
-    assert reply.startswith(b"HTTP/1.1 200"), reply
-    assert json.loads(reply.partition(b"\r\n\r\n")[2])["rewards"] == expected
+        return reply
+
+    with socket.create_connection(("127.0.0.1", rule_server.http_port), timeout=30) as finishing, \
+            socket.create_connection(("127.0.0.1", rule_server.http_port), timeout=30) as unfinished:
+        finishing.sendall(head + body[:5])
+        unfinished.sendall(head + body[:5])
+        time.sleep(0.3)
+        stopped = time.monotonic()
+        rule_server.proc.send_signal(signal.SIGTERM)
+        while (late := httpx.post(f"{rule_server.http}/get_reward", json={"query": ["x"]}, timeout=10)).status_code \
+                == 200 and time.monotonic() < stopped + 10:  # until the server has begun to stop
+            time.sleep(0.05)
+        assert late.status_code == 503 and "shutting down" in late.json()["detail"]
+        finishing.sendall(body[5:])
+        reply = reply_to(finishing)
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["rewards"] == expected
+        reply = reply_to(unfinished)
+        assert reply.startswith(b"HTTP/1.1 503") and b"grace_period_s" in reply, reply
+        assert 2.5 < time.monotonic() - stopped < 8
     assert rule_server.terminate() == 0
+    assert "Exception in ASGI application" not in rule_server.log() and "Traceback" not in rule_server.log()
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])

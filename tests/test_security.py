@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actor.clients import OpenRLHFRewardClient, RemoteError
 from ppo_services.v1 import common_pb2, critic_pb2, reward_pb2, reward_pb2_grpc
 from serving.rest import ClientNoiseFilter
-from serving.security import TOKEN_ENV
+from serving.security import TOKEN_ENV, SecurityError, check_certificate
 from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 
 TOKEN = "s3cret-token-for-tests"
@@ -169,10 +169,12 @@ def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected):
         sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
         return context.wrap_socket(sock, server_hostname="127.0.0.1") if context and handshake else sock
 
-    def held_for(sending: bytes, trickle: bool = False, handshake: bool = True) -> float:
+    def held_for(sending: bytes, trickle: bool = False, handshake: bool = True, grpc_port: bool = False) -> float:
         """Seconds until the server closes a connection that sends `sending` (a byte every 0.3 s with trickle);
-        over TLS, without `handshake`, one that never begins the TLS handshake (asyncio gave it 60 s)."""
-        with connect(handshake) as sock:
+        over TLS, without `handshake`, one that never begins the TLS handshake (asyncio gave it 60 s); on the gRPC
+        port, one that never begins gRPC's (TLS or HTTP/2) handshake (gRPC gave it 60 s)."""
+        with (socket.create_connection(("127.0.0.1", server.grpc_port), timeout=10) if grpc_port else
+              connect(handshake)) as sock:
             opened = time.monotonic()
             try:
                 for piece in ([bytes([b]) for b in sending] if trickle else [sending]):
@@ -196,6 +198,7 @@ def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected):
     }
     if context:
         slow["no TLS handshake"] = (b"", False, False)
+    slow["silent on the gRPC port"] = (b"", False, True, True)
 
     def replies_read_after_a_pause(requests: int) -> int:
         """Pipelines `requests` GET /metrics (1.4 KB and more each: more than the kernel buffers between the two
@@ -265,7 +268,7 @@ def test_malformed_requests_and_websocket_upgrades_reach_the_log_once_a_minute(p
     assert "WebSocket library" not in logged, logged
 
 
-def test_the_noise_filter_says_how_many_lines_it_held_back():
+def test_the_noise_filter_says_how_many_lines_it_held_back(caplog):
     noise = ClientNoiseFilter(every_s=0.3)
 
     def passes(message: str) -> logging.LogRecord | None:
@@ -278,6 +281,10 @@ def test_the_noise_filter_says_how_many_lines_it_held_back():
     time.sleep(0.35)
     assert passes("Invalid HTTP request received.").getMessage() == (
         "Invalid HTTP request received. (3 more since the last such line, not logged)")
+    assert not passes("Invalid HTTP request received.")
+    with caplog.at_level(logging.WARNING, logger="tests.noise"):  # at shutdown, what is still held back
+        noise.flush(logging.getLogger("tests.noise"))
+    assert caplog.messages == ["Invalid HTTP request received. (1 more since the last such line, not logged)"]
 
 
 def test_probes_stay_open_and_refusals_are_counted(critic):
@@ -339,7 +346,7 @@ def test_tls_with_the_token_from_the_environment(reward_tls, pki):
     expiry = [s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", verify=ca, timeout=10).text)
               for s in f.samples if s.name == "ppo_reward_tls_certificate_expiry_timestamp_seconds"]
     assert len(expiry) == 1 and 86400 < expiry[0] - time.time() < 2 * 86400 + 60, expiry
-    assert re.search(r"WARNING .*tls_cert_file \S+server.pem expires in [12]\.\d days", reward_tls.log())
+    assert re.search(r"WARNING .*chain in tls_cert_file \S+server.pem expires in [12]\.\d days", reward_tls.log())
     # the actor's OpenRLHF-protocol client: TLS verified with the CA, the token in its header
     from actor.clients import OpenRLHFRewardClient
     from actor.config import RewardConfig
@@ -428,16 +435,56 @@ def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, 
     assert "with tls_client_ca_file (mutual TLS" in result.stderr
 
 
+def test_the_certificate_check_names_what_clients_would_refuse(pki, tmp_path):
+    """The start-up check of a server's certificate chain (check_certificate), on the files operators get wrong."""
+    d = tmp_path
+
+    def sign(name: str, issuer: str, days: str, *ext: str) -> None:
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
+                f"/CN={name}", cwd=d)
+        (d / f"{name}.ext").write_text("\n".join(ext or ["subjectAltName=DNS:localhost"]) + "\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{issuer}.pem", "-CAkey", f"{issuer}.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", days, "-extfile", f"{name}.ext", cwd=d)
+
+    for f in ("ca.pem", "ca.key", "server.pem", "server.key"):
+        shutil.copy(pki / f, d / f)
+    ca = ("basicConstraints=critical,CA:TRUE", "keyUsage=critical,keyCertSign,cRLSign")
+    sign("int", "ca", "1", *ca)  # an intermediate CA that ends in a day, and a server certificate for a year under it
+    sign("leaf", "int", "365")
+    sign("old_int", "ca", "-1", *ca)
+    sign("leaf2", "old_int", "365")
+    (d / "chain.pem").write_text((d / "leaf.pem").read_text() + (d / "int.pem").read_text())
+    (d / "old_chain.pem").write_text((d / "leaf2.pem").read_text() + (d / "old_int.pem").read_text())
+    (d / "reversed.pem").write_text((d / "int.pem").read_text() + (d / "leaf.pem").read_text())
+    openssl("pkey", "-in", "server.key", "-aes256", "-passout", "pass:secret", "-out", "encrypted.key", cwd=d)
+    openssl("genpkey", "-algorithm", "ed25519", "-out", "ed.key", cwd=d)
+    openssl("req", "-x509", "-key", "ed.key", "-out", "ed.pem", "-days", "2", "-subj", "/CN=ed", cwd=d)
+
+    # the chain's first expiry is the intermediate's, a day away, not the server certificate's year
+    assert 0 < check_certificate(str(d / "chain.pem"), str(d / "leaf.key")) - time.time() <= 86400
+    refused = {
+        ("old_chain.pem", "leaf2.key"): "the certificate 'old_int' that issued the server's has expired",
+        ("reversed.pem", "leaf.key"): "the server's own certificate comes first",
+        ("server.pem", "leaf.key"): "does not match the first",
+        ("server.pem", "encrypted.key"): "is encrypted",  # OpenSSL would ask the terminal for its passphrase
+        ("ed.pem", "ed.key"): "Ed25519",  # gRPC's TLS cannot sign handshakes with it
+        ("server.key", "server.pem"): "server.key holds no PEM certificate",  # the two files swapped
+    }
+    for (cert, key), why in refused.items():
+        with pytest.raises(SecurityError, match=re.escape(why)):
+            check_certificate(str(d / cert), str(d / key))
+
+
 def test_a_server_refuses_an_expired_certificate_or_a_key_that_does_not_match(pki):
     """Every client would refuse it; before, it started as if nothing were wrong (a mismatched key was reported as a
     taken gRPC port)."""
-    for cert, key, why in (("expired.pem", "server.key", "the certificate has expired"),
-                           ("server.pem", "client.key", "the key does not match the certificate")):
+    expired = f"tls_cert_file {pki / 'expired.pem'}: the server's certificate has expired"
+    for cert, key, why in (("expired.pem", "server.key", expired),
+                           ("server.pem", "client.key", f"tls_key_file {pki / 'client.key'} does not match")):
         cmd = [sys.executable, "-m", "reward_server", "--port", str(free_port()), "--http-port", str(free_port()),
                "--scorer", "positive_fraction", "--tls-cert-file", str(pki / cert), "--tls-key-file", str(pki / key)]
         result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2 and why in result.stderr and f"tls_cert_file {pki / cert}" in result.stderr, \
-            result.stderr[-2000:]
+        assert result.returncode == 2 and why in result.stderr, result.stderr[-2000:]
 
 
 def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache, log_dir, pki, tmp_path):
