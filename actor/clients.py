@@ -19,7 +19,7 @@ import torch
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
-from serving.security import BearerClientInterceptor, read_pem
+from serving.security import BearerClientInterceptor, check_ca_file, load_key_pair, read_pem
 from serving.wire import grpc_options
 
 from .config import RemoteConfig, RewardConfig
@@ -145,11 +145,22 @@ def keepalive_options(cfg: RemoteConfig) -> list[tuple[str, int]]:
             ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 0)]
 
 
+def check_tls_files(name: str, cfg: RemoteConfig) -> None:
+    """The actor's TLS files for server `name`, as OpenSSL reads them: one it cannot use stops the actor at start,
+    naming the setting (gRPC would have refused each connection with a handshake error, and OpenSSL asked the terminal
+    for an encrypted key's passphrase)."""
+    if cfg.tls_ca_file:
+        check_ca_file(cfg.tls_ca_file, f"{name}.tls_ca_file")
+    if cfg.tls_cert_file:
+        load_key_pair(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), cfg.tls_cert_file, cfg.tls_key_file, f"{name}.")
+
+
 def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
     """A channel to the server (TLS when a CA or client certificate is configured; the bearer token on every
     call). It connects lazily: `wait_for_info` waits for the server and says why it cannot reach it."""
     options = grpc_options(cfg.max_message_mb) + RECONNECT_OPTIONS + keepalive_options(cfg)
     if cfg.tls_ca_file or cfg.tls_cert_file:
+        check_tls_files(name, cfg)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=read_pem(cfg.tls_ca_file, f"{name}.tls_ca_file"),
             private_key=read_pem(cfg.tls_key_file, f"{name}.tls_key_file"),
@@ -359,9 +370,10 @@ class OpenRLHFRewardClient:
     def __init__(self, cfg: RewardConfig, token: str | None = None):
         assert cfg.url is not None
         self.cfg, self.url = cfg, cfg.url
+        check_tls_files("reward", cfg)
         tls = ssl.create_default_context(cafile=cfg.tls_ca_file)
         if cfg.tls_cert_file:
-            tls.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+            load_key_pair(tls, cfg.tls_cert_file, cfg.tls_key_file, "reward.")
         self.http = httpx.Client(timeout=cfg.timeout_s, verify=tls,
                                  headers={"Authorization": f"Bearer {token}"} if token else None)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="openrlhf-reward")

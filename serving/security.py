@@ -170,20 +170,45 @@ def _subject(cert: dict) -> str:
     return names.get("commonName") or str(cert.get("subject"))
 
 
-def _unusable(cert_file: str, key_file: str, error: ssl.SSLError) -> str:
-    """Why OpenSSL cannot serve `cert_file` with `key_file`, naming the file at fault."""
-    reason = error.reason or str(error)
-    if reason == "KEY_VALUES_MISMATCH":
-        return (f"tls_key_file {key_file} does not match the first certificate in tls_cert_file {cert_file}, the one "
-                f"served (the server's own certificate comes first, then the ones that issued it)")
-    if reason.endswith(("KEY_TOO_SMALL", "MD_TOO_WEAK")):
-        return (f"tls_cert_file {cert_file} with tls_key_file {key_file}: too weak for this host's OpenSSL ({reason}); "
-                f"use an RSA key of 2048 bits or more, or ECDSA P-256, signed with SHA-256 or better")
+def load_key_pair(context: ssl.SSLContext, cert_file: str, key_file: str, prefix: str = "") -> None:
+    """`context.load_cert_chain(cert_file, key_file)`, with what OpenSSL refuses as a SecurityError naming the setting
+    at fault (`<prefix>tls_cert_file`, `<prefix>tls_key_file`): a key that does not match the chain's first
+    certificate, an encrypted key (OpenSSL would wait at the terminal for its passphrase, or fail with an OSError
+    without one: gRPC takes no passphrase either), a key too weak for this host's OpenSSL, a file with no PEM
+    certificate or key."""
+    cert, key = f"{prefix}tls_cert_file {cert_file}", f"{prefix}tls_key_file {key_file}"
+    read_pem(cert_file, f"{prefix}tls_cert_file")  # one that cannot be read, named
+    read_pem(key_file, f"{prefix}tls_key_file")
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert_file)
+        context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+        return
+    except _Encrypted:
+        raise SecurityError(f"{key} is encrypted: a passphrase cannot be given (gRPC takes none either); decrypt it "
+                            f"(`openssl pkey -in KEY -out KEY.plain`) and keep it readable only by its user") from None
+    except ssl.SSLError as e:
+        reason = e.reason or str(e)
+    if reason == "KEY_VALUES_MISMATCH":
+        why = (f"{key} does not match the first certificate in {cert}, the one presented (a chain file holds its own "
+               f"certificate first, then the ones that issued it)")
+    elif reason.endswith(("KEY_TOO_SMALL", "MD_TOO_WEAK")):
+        why = (f"{cert} with {key}: too weak for this host's OpenSSL ({reason}); use an RSA key of 2048 bits or "
+               f"more, or ECDSA P-256, signed with SHA-256 or better")
+    else:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert_file)
+            why = f"{key} holds no PEM private key ({reason})"
+        except ssl.SSLError:
+            why = f"{cert} holds no PEM certificate"
+    raise SecurityError(why)
+
+
+def check_ca_file(ca_file: str, setting: str) -> None:
+    """A CA bundle that cannot be read or holds no PEM certificate is a SecurityError naming `setting`."""
+    read_pem(ca_file, setting)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=ca_file)
     except ssl.SSLError:
-        return f"tls_cert_file {cert_file} holds no PEM certificate"
-    return f"tls_key_file {key_file} holds no PEM private key ({reason})"
+        raise SecurityError(f"{setting} {ca_file} holds no PEM certificate") from None
 
 
 def check_certificate(cert_file: str, key_file: str) -> float | None:
@@ -199,14 +224,7 @@ def check_certificate(cert_file: str, key_file: str) -> float | None:
     certificate not meant for servers) is logged as a warning and None returned: the clients' own trust settings
     decide. The client's CA bundle is not known here, so a chain missing an intermediate certificate is not found."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        server.load_cert_chain(cert_file, key_file, password=_no_passphrase)
-    except _Encrypted:
-        raise SecurityError(f"tls_key_file {key_file} is encrypted: the servers take an unencrypted key (as gRPC does); "
-                            f"decrypt it (`openssl pkey -in KEY -out KEY.plain`) and keep it readable only by the "
-                            f"server") from None
-    except ssl.SSLError as e:
-        raise SecurityError(_unusable(cert_file, key_file, e)) from None
+    load_key_pair(server, cert_file, key_file)
     key = _PEM_PRIVATE_KEY.search(Path(key_file).read_bytes())
     if key and any(oid in base64.b64decode(key[1])[:16] for oid in _EDWARDS_OIDS):  # it loaded: valid base64
         raise SecurityError(f"tls_key_file {key_file} is an Ed25519 or Ed448 key: gRPC's TLS does not sign "

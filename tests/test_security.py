@@ -464,7 +464,7 @@ def test_the_certificate_check_names_what_clients_would_refuse(pki, tmp_path):
     assert 0 < check_certificate(str(d / "chain.pem"), str(d / "leaf.key")) - time.time() <= 86400
     refused = {
         ("old_chain.pem", "leaf2.key"): "the certificate 'old_int' that issued the server's has expired",
-        ("reversed.pem", "leaf.key"): "the server's own certificate comes first",
+        ("reversed.pem", "leaf.key"): "holds its own certificate first",
         ("server.pem", "leaf.key"): "does not match the first",
         ("server.pem", "encrypted.key"): "is encrypted",  # OpenSSL would ask the terminal for its passphrase
         ("ed.pem", "ed.key"): "Ed25519",  # gRPC's TLS cannot sign handshakes with it
@@ -473,6 +473,17 @@ def test_the_certificate_check_names_what_clients_would_refuse(pki, tmp_path):
     for (cert, key), why in refused.items():
         with pytest.raises(SecurityError, match=re.escape(why)):
             check_certificate(str(d / cert), str(d / key))
+    # the actor's own TLS files, named by their settings at its start
+    from actor.clients import check_tls_files
+    from actor.config import RewardConfig
+
+    for files, why in (({"tls_ca_file": str(d / "server.key")}, "reward.tls_ca_file"),
+                       ({"tls_cert_file": str(d / "server.pem"), "tls_key_file": str(d / "encrypted.key")},
+                        "reward.tls_key_file"),
+                       ({"tls_cert_file": str(d / "server.pem"), "tls_key_file": str(d / "nothing.key")},
+                        "reward.tls_key_file")):
+        with pytest.raises(SecurityError, match=re.escape(why)):
+            check_tls_files("reward", RewardConfig(address="127.0.0.1:1", **files))
 
 
 def test_a_server_refuses_an_expired_certificate_or_a_key_that_does_not_match(pki):
