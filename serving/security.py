@@ -218,17 +218,18 @@ def check_certificate(cert_file: str, key_file: str) -> float | None:
     A TLS handshake of the server's own chain with a client that trusts that chain, in memory (the standard library
     decodes a certificate only once it has verified it). A SecurityError naming the file, since every client would
     refuse the server: a certificate of the chain that has expired, a key that does not match the certificate, an
-    encrypted key (OpenSSL would wait at the terminal for its passphrase), a key gRPC cannot sign handshakes with
-    (Ed25519, Ed448), a file that holds no PEM certificate or key. Before, such a server started as if nothing were
-    wrong (a mismatched key was reported as a taken port). What else the handshake finds (not yet valid, a
-    certificate not meant for servers) is logged as a warning and None returned: the clients' own trust settings
-    decide. The client's CA bundle is not known here, so a chain missing an intermediate certificate is not found."""
+    encrypted key (OpenSSL would wait at the terminal for its passphrase), a file that holds no PEM certificate or
+    key. Before, such a server started as if nothing were wrong (a mismatched key was reported as a taken port). What
+    else the handshake finds (not yet valid, a certificate not meant for servers) is logged as a warning and None
+    returned: the clients' own trust settings decide; so is an Ed25519 or Ed448 key, which some gRPC clients (the
+    actor's) cannot use. The client's CA bundle is not known here, so a chain missing an intermediate certificate is not found."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     load_key_pair(server, cert_file, key_file)
     key = _PEM_PRIVATE_KEY.search(Path(key_file).read_bytes())
     if key and any(oid in base64.b64decode(key[1])[:16] for oid in _EDWARDS_OIDS):  # it loaded: valid base64
-        raise SecurityError(f"tls_key_file {key_file} is an Ed25519 or Ed448 key: gRPC's TLS does not sign "
-                            f"handshakes with it, so no gRPC client could connect; use ECDSA P-256 or RSA")
+        log.warning("tls_key_file %s is an Ed25519 or Ed448 key: gRPC clients built on gRPC's C core (Python's grpcio, "
+                    "which the actor uses, C++) do not offer its signatures and cannot connect; REST clients and Go or "
+                    "Java gRPC clients can. Use ECDSA P-256 or RSA for the actor", key_file)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.check_hostname = False  # the names clients use are theirs to check
     client.load_verify_locations(cafile=cert_file)

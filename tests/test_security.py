@@ -435,7 +435,7 @@ def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, 
     assert "with tls_client_ca_file (mutual TLS" in result.stderr
 
 
-def test_the_certificate_check_names_what_clients_would_refuse(pki, tmp_path):
+def test_the_certificate_check_names_what_clients_would_refuse(pki, tmp_path, caplog):
     """The start-up check of a server's certificate chain (check_certificate), on the files operators get wrong."""
     d = tmp_path
 
@@ -467,12 +467,15 @@ def test_the_certificate_check_names_what_clients_would_refuse(pki, tmp_path):
         ("reversed.pem", "leaf.key"): "holds its own certificate first",
         ("server.pem", "leaf.key"): "does not match the first",
         ("server.pem", "encrypted.key"): "is encrypted",  # OpenSSL would ask the terminal for its passphrase
-        ("ed.pem", "ed.key"): "Ed25519",  # gRPC's TLS cannot sign handshakes with it
         ("server.key", "server.pem"): "server.key holds no PEM certificate",  # the two files swapped
     }
     for (cert, key), why in refused.items():
         with pytest.raises(SecurityError, match=re.escape(why)):
             check_certificate(str(d / cert), str(d / key))
+    # an Ed25519 key serves (Go clients take it), with a warning: gRPC's C-core clients (the actor's) do not
+    with caplog.at_level(logging.WARNING, logger="serving.security"):
+        assert check_certificate(str(d / "ed.pem"), str(d / "ed.key")) > time.time()
+    assert any("Ed25519" in m and "cannot connect" in m for m in caplog.messages), caplog.messages
     # the actor's own TLS files, named by their settings at its start
     from actor.clients import check_tls_files
     from actor.config import RewardConfig
