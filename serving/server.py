@@ -48,6 +48,7 @@ from .rest import (
     uvicorn_config,
 )
 from .security import (
+    OPEN_GRPC_PREFIXES,
     AuthInterceptor,
     SecurityError,
     add_rest_auth,
@@ -91,7 +92,7 @@ def rpc_method(name: str) -> Callable:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                with self.service.serving_request(time.monotonic()):
+                with self.service.serving_request(_ARRIVED.get(None) or time.monotonic()):  # ArrivalInterceptor's
                     return await method(self, request, context)
             except ServiceError as e:
                 code = e.grpc_code
@@ -151,6 +152,20 @@ def _is_method_or_enum_value(name: str) -> bool:
         return last in descriptor_pool.Default().FindEnumTypeByName(parent).values_by_name
     except KeyError:
         return False
+
+
+class ArrivalInterceptor(grpc.aio.ServerInterceptor):
+    """Records when each call to our services began to arrive (its headers, before its message), so that a call whose
+    message is still arriving when the server begins to stop is served too, and the shutdown waits for it
+    (Service.call_arriving). Health and reflection calls are not counted: a Watch must not hold a shutdown."""
+
+    def __init__(self, service: Service):
+        self.service = service
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
+        if not details.method.startswith(OPEN_GRPC_PREFIXES):
+            self.service.call_arriving(asyncio.current_task())
+        return await continuation(details)
 
 
 def add_probe_services(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -228,6 +243,15 @@ class Service:
             del self._requests[key]
             _ARRIVED.reset(token)
 
+    def call_arriving(self, call: asyncio.Task) -> None:
+        """A gRPC call began to arrive now, in the task that will run its handler (grpc.aio runs both in one): its
+        arrival is that task's (_ARRIVED), and it counts as served until the task ends, however the call ends (a
+        message that never arrives whole included)."""
+        key, arrived = object(), time.monotonic()
+        _ARRIVED.set(arrived)
+        self._requests[key] = arrived
+        call.add_done_callback(lambda _: self._requests.pop(key, None))
+
     def _arrived_before_stop(self, arrived: float | None) -> bool:
         return self.stopping_since is not None and arrived is not None and arrived < self.stopping_since
 
@@ -291,7 +315,8 @@ class Service:
         # outermost: a request that arrived before a shutdown is served, however far it had got
         self.app.add_middleware(ServingRequests, serving=self.serving_request)
         # No SO_REUSEPORT: a second server on a taken port must fail, not share its traffic.
-        server = grpc.aio.server(interceptors=[AuthInterceptor(token, self.metrics)] if token else [],
+        interceptors = [ArrivalInterceptor(self), *([AuthInterceptor(token, self.metrics)] if token else [])]
+        server = grpc.aio.server(interceptors=interceptors,
                                  # a connection that has not finished its handshake (TLS, HTTP/2's opening) by
                                  # http_read_timeout_s is closed, as on REST (gRPC's own default is 60 s or more)
                                  options=[*grpc_options(cfg.max_message_mb, receive_limit), ("grpc.so_reuseport", 0),
@@ -358,6 +383,9 @@ class Service:
         deadline = time.monotonic() + cfg.grace_period_s
         log.info("%s shutting down (grace %.0fs)", self.name, cfg.grace_period_s)
         self.stopping_since = time.monotonic()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a repeated signal changes nothing, to the process's last instant
+            loop.remove_signal_handler(sig)  # (the loop's close would restore the default, which kills)
+            signal.signal(sig, signal.SIG_IGN)
         self.ready = False
         self.metrics.ready.set(0)
         await health_servicer.enter_graceful_shutdown()
