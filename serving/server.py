@@ -226,7 +226,7 @@ class Service:
     # --- shared ---------------------------------------------------------------------------------
     def require_ready(self) -> ModelWorker:
         """The model worker, for a request this server serves: any while it is ready, and while it stops, those
-        that arrived before (a REST body still being received or parsed, a gRPC call still being validated)."""
+        that arrived before (a REST body or a gRPC message still being received, parsed or validated)."""
         if self.worker is None or not (self.ready or self._arrived_before_stop(_ARRIVED.get(None))):
             raise NotReady("model is not loaded yet or the server is shutting down")
         return self.worker
