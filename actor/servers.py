@@ -21,6 +21,7 @@ from .clients import (
     RewardClient,
     TrainResult,
     check_compatible,
+    check_tls_files,
 )
 from .config import ActorConfig
 from .data import DataError, Prompt, require_labels
@@ -59,6 +60,12 @@ class Servers:
         self.token_ids = token_ids
         self.train_prompts, self.val_prompts = train_prompts, val_prompts
         self.token = load_token(cfg.auth_token_file, "auth_token_file")
+        # every TLS file the run reads, before it waits for any server (a bad reward file was found only once the
+        # critic answered)
+        if cfg.needs_critic:
+            check_tls_files("critic", cfg.critic)
+        if (cfg.env.name is None or cfg.env.uses_reward_server) and cfg.reward.source != "critic":
+            check_tls_files("reward", cfg.reward)
         self.critic: CriticClient | None = None
         self.critic_restarts, self.critic_seen = 0, ("", 0)
         self.reward_serves: str | None = None  # what the gRPC reward server served at start

@@ -513,3 +513,15 @@ def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache
                             check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert ok.returncode == 0, ok.stderr[-2000:]
         assert json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_an_actor_with_a_reward_tls_file_it_cannot_use_stops_before_it_waits_for_the_critic(embedded_cache, pki,
+                                                                                           tmp_path):
+    """Every TLS file is read at the actor's start: a bad reward server file stops it at once, though no critic is
+    there to answer (before, it waited for the critic first, for up to critic.connect_timeout_s)."""
+    result = subprocess.run(actor_command("ppo", tmp_path / "run", f"critic.address=127.0.0.1:{free_port()}",
+                                          f"reward.address=127.0.0.1:{free_port()}",
+                                          f"reward.tls_ca_file={pki / 'server.key'}"),
+                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and f"reward.tls_ca_file {pki / 'server.key'} holds no PEM certificate" in \
+        result.stderr, result.stderr[-2000:]
