@@ -1,5 +1,9 @@
 """`python -m reward_server [--port 5556] [--model PATH | --scorer NAME] [--config FILE] [key=value ...]`."""
 
+from serving.startup import stop_at_once_until_serving
+
+stop_at_once_until_serving("reward")  # first: the imports below take seconds
+
 from serving.config import parse_cli
 from serving.security import SECURITY_FLAGS, SECURITY_SWITCHES
 from serving.startup import imports_without_gc

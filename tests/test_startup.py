@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,6 +64,20 @@ def test_a_device_or_model_that_is_not_there_is_refused_at_start_naming_the_key(
     done = subprocess.run([sys.executable, "-m", module, "--http-port", "0", *place, *setting.split()], cwd=ROOT, check=False,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == code and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module, sig", [("critic_server", signal.SIGTERM), ("reward_server", signal.SIGINT)])
+def test_a_signal_before_a_server_serves_stops_it_at_once_with_exit_zero(module, sig, tmp_path):
+    """A signal during the seconds a server spends importing torch and transformers: nothing is loaded or owed, so
+    it stops at once, exit 0 (before, SIGTERM killed it, -15, and SIGINT printed a KeyboardInterrupt traceback)."""
+    place = ["--checkpoint-dir", str(tmp_path)] if module == "critic_server" else ["--scorer", "positive_fraction"]
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--http-port", "0", *place], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.6)  # past the interpreter's own start (tenths of a second), within the imports (seconds)
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0 and f"stopped by {sig.name} before it began serving" in err, err[-2000:]
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("module, key", [("actor", "run_dir"), ("critic_server", "checkpoint_dir")])
