@@ -216,13 +216,13 @@ def check_certificate(cert_file: str, key_file: str) -> float | None:
     (seconds since the epoch; the server's own or one that issued it).
 
     A TLS handshake of the server's own chain with a client that trusts that chain, in memory (the standard library
-    decodes a certificate only once it has verified it). A SecurityError naming the file, since every client would
-    refuse the server: a certificate of the chain that has expired, a key that does not match the certificate, an
-    encrypted key (OpenSSL would wait at the terminal for its passphrase), a file that holds no PEM certificate or
-    key. Before, such a server started as if nothing were wrong (a mismatched key was reported as a taken port). What
-    else the handshake finds (not yet valid, a certificate not meant for servers) is logged as a warning and None
-    returned: the clients' own trust settings decide; so is an Ed25519 or Ed448 key, which some gRPC clients (the
-    actor's) cannot use. The client's CA bundle is not known here, so a chain missing an intermediate certificate is not found."""
+    decodes a certificate only once it has verified it). What every client would refuse is a SecurityError naming
+    the file: a certificate of the chain that has expired, a key that does not match the certificate, an encrypted
+    key (OpenSSL would wait at the terminal for its passphrase), a file that holds no PEM certificate or key. Before,
+    such a server started as if nothing were wrong (a mismatched key was reported as a taken port). What else the
+    handshake finds (not yet valid, a certificate not meant for servers) is logged as a warning and None returned:
+    the clients' own trust settings decide; so is an Ed25519 or Ed448 key, which some gRPC clients (the actor's)
+    cannot use. The clients' CA bundle is not known here, so a chain missing an intermediate certificate passes."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     load_key_pair(server, cert_file, key_file)
     key = _PEM_PRIVATE_KEY.search(Path(key_file).read_bytes())
