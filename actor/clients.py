@@ -146,9 +146,10 @@ def keepalive_options(cfg: RemoteConfig) -> list[tuple[str, int]]:
 
 
 def check_tls_files(name: str, cfg: RemoteConfig) -> None:
-    """The actor's TLS files for server `name`, as OpenSSL reads them: one it cannot use stops the actor at start,
-    naming the setting (gRPC would have refused each connection with a handshake error, and OpenSSL asked the terminal
-    for an encrypted key's passphrase)."""
+    """The actor's TLS files for server `name`, as OpenSSL reads them: one it cannot use stops the actor at start
+    (actor.servers.Servers checks them all before it waits for any server), naming the setting (gRPC would have
+    refused each connection with a handshake error, and OpenSSL asked the terminal for an encrypted key's
+    passphrase)."""
     if cfg.tls_ca_file:
         check_ca_file(cfg.tls_ca_file, f"{name}.tls_ca_file")
     if cfg.tls_cert_file:
@@ -160,7 +161,6 @@ def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc
     call). It connects lazily: `wait_for_info` waits for the server and says why it cannot reach it."""
     options = grpc_options(cfg.max_message_mb) + RECONNECT_OPTIONS + keepalive_options(cfg)
     if cfg.tls_ca_file or cfg.tls_cert_file:
-        check_tls_files(name, cfg)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=read_pem(cfg.tls_ca_file, f"{name}.tls_ca_file"),
             private_key=read_pem(cfg.tls_key_file, f"{name}.tls_key_file"),
@@ -370,7 +370,6 @@ class OpenRLHFRewardClient:
     def __init__(self, cfg: RewardConfig, token: str | None = None):
         assert cfg.url is not None
         self.cfg, self.url = cfg, cfg.url
-        check_tls_files("reward", cfg)
         tls = ssl.create_default_context(cafile=cfg.tls_ca_file)
         if cfg.tls_cert_file:
             load_key_pair(tls, cfg.tls_cert_file, cfg.tls_key_file, "reward.")

@@ -317,7 +317,7 @@ class ClientNoiseFilter(logging.Filter):
             self._last[message] = now
             held = self._held.pop(message, 0)
         if held:
-            record.msg, record.args = f"{message} ({held} more since the last such line, not logged)", ()
+            record.msg, record.args = self._with_count(message, held), ()
         return True
 
     def flush(self, logger: logging.Logger) -> None:
@@ -325,15 +325,20 @@ class ClientNoiseFilter(logging.Filter):
         with self._lock:
             held, self._held = self._held, collections.Counter()
         for message, count in held.items():
-            logger.warning("%s (%d more since the last such line, not logged)", message, count)
+            logger.warning(self._with_count(message, count))
+
+    @staticmethod
+    def _with_count(message: str, held: int) -> str:
+        return f"{message} ({held} more since the last such line, not logged)"
+
+
+# The one filter on uvicorn's error log (uvicorn_config installs it; the servers flush it as they stop)
+CLIENT_NOISE = ClientNoiseFilter()
 
 
 def flush_client_noise() -> None:
-    """Log what ClientNoiseFilter still holds back (a server's last words)."""
-    errors = logging.getLogger("uvicorn.error")
-    for f in errors.filters:
-        if isinstance(f, ClientNoiseFilter):
-            f.flush(errors)
+    """Log what CLIENT_NOISE still holds back (a server's last words)."""
+    CLIENT_NOISE.flush(logging.getLogger("uvicorn.error"))
 
 
 class TimedHandshakeLoop(asyncio.SelectorEventLoop):
@@ -366,9 +371,7 @@ def uvicorn_config(app: FastAPI, host: str, port: int, read_timeout_s: float = R
             tls |= {"ssl_ca_certs": client_ca_file, "ssl_cert_reqs": ssl.CERT_OPTIONAL}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                             http=TimedRequestProtocol.with_timeout(read_timeout_s), **tls)
-    errors = logging.getLogger("uvicorn.error")  # after the Config, which sets up uvicorn's loggers
-    if not any(isinstance(f, ClientNoiseFilter) for f in errors.filters):
-        errors.addFilter(ClientNoiseFilter())
+    logging.getLogger("uvicorn.error").addFilter(CLIENT_NOISE)  # after the Config, which sets up uvicorn's loggers
     return config
 
 

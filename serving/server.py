@@ -84,7 +84,7 @@ def status_details(message: str) -> str:
 
 def rpc_method(name: str) -> Callable:
     """Wrap an async servicer method: count and time it, map ServiceError to its gRPC status, and turn any
-    other exception into INTERNAL without taking the server down. The servicer has `.metrics` and `.service`."""
+    other exception into INTERNAL without taking the server down. The servicer has `.metrics`."""
 
     def decorate(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         @functools.wraps(method)
@@ -92,8 +92,7 @@ def rpc_method(name: str) -> Callable:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                with self.service.serving_request(_ARRIVED.get(None) or time.monotonic()):  # ArrivalInterceptor's
-                    return await method(self, request, context)
+                return await method(self, request, context)
             except ServiceError as e:
                 code = e.grpc_code
                 await context.abort(code, status_details(str(e)))
@@ -233,8 +232,8 @@ class Service:
 
     @contextlib.contextmanager
     def serving_request(self, arrived: float) -> Iterator[None]:
-        """Serve one request (a gRPC call, a REST request) that reached the server at `arrived`; the shutdown waits
-        for those that arrived before it began (`_owed_requests`)."""
+        """Serve one REST request that reached the server at `arrived` (a gRPC call: `call_arriving`); the shutdown
+        waits for those that arrived before it began (`_owed_requests`)."""
         key, token = object(), _ARRIVED.set(arrived)
         self._requests[key] = arrived
         try:
@@ -380,9 +379,9 @@ class Service:
         # One deadline: the requests that arrived before the shutdown, and the model work they wait for (queued and
         # running), finish first, then gRPC stops with a short window to send their replies; long-lived streams
         # such as a health Watch must not hold the process for the whole grace period.
-        deadline = time.monotonic() + cfg.grace_period_s
-        log.info("%s shutting down (grace %.0fs)", self.name, cfg.grace_period_s)
         self.stopping_since = time.monotonic()
+        deadline = self.stopping_since + cfg.grace_period_s
+        log.info("%s shutting down (grace %.0fs)", self.name, cfg.grace_period_s)
         for sig in (signal.SIGTERM, signal.SIGINT):  # a repeated signal changes nothing, to the process's last instant
             loop.remove_signal_handler(sig)  # (the loop's close would restore the default, which kills)
             signal.signal(sig, signal.SIG_IGN)
