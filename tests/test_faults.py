@@ -9,7 +9,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ from actor.clients import DRAIN_OUTAGE_S, CriticClient, RemoteError
 from actor.config import RemoteConfig
 from ppo_services.v1 import critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
+from tests.network_path import NetworkPath
 from tests.service_procs import ROOT, ServiceProcess, actor_command, free_port
 
 RUN = ["ppo.num_prompts_per_step=8", "ppo.num_generations_per_prompt=4", "policy.generation_batch_size=16",
@@ -245,51 +245,6 @@ def test_a_resume_whose_servers_cannot_take_it_stops_naming_the_way_on(reward, l
     assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
     assert "cannot return to its checkpoint of that step" in lost.stderr and "NOT_FOUND" in lost.stderr
     assert f"resume from {run_dir / 'checkpoints' / 'step_1'}, the newest earlier checkpoint" in lost.stderr
-
-
-class NetworkPath:
-    """Fault injection: a TCP proxy standing in for the network path to a server (a Kubernetes Service in front of
-    its pod). `fail_over(port)` makes the connections open so far swallow every byte silently, as a frozen node or
-    a partitioned network does (TCP stays up, nothing arrives), and sends the connections made from then on to
-    `port`, where the replacement server listens."""
-
-    def __init__(self, upstream: int):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port, self.upstream, self.generation = self.listener.getsockname()[1], upstream, 0
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            try:
-                server = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
-            except OSError:
-                client.close()  # nothing listens there (yet): the client sees the connection fail
-                continue
-            self.connections += 1
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst, self.generation), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, generation: int) -> None:
-        try:
-            while data := src.recv(65536):
-                if generation == self.generation:
-                    dst.sendall(data)
-        except OSError:
-            pass
-        for sock in (src, dst):
-            sock.close()
-
-    def fail_over(self, port: int) -> None:
-        self.upstream = port
-        self.generation += 1
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def test_a_critic_that_freezes_behind_its_address_is_replaced_without_waiting_for_the_call_deadline(reward, log_dir,

@@ -43,6 +43,7 @@ from serving.modeling import (
 from serving.wire import grpc_options
 from tests.conftest import OPENRLHF_MEAN, OPENRLHF_STD
 from tests.grpc_helpers import channel, expect_invalid
+from tests.network_path import NetworkPath
 from tests.service_procs import ROOT, ServiceProcess, histogram_stats
 
 SCORE = "/ppo_services.v1.RewardService/Score"
@@ -906,34 +907,6 @@ def test_every_scorer_is_documented_and_no_negative_is_served_as_a_component(exa
                                  "reward/no_negative": [0.75, 0.0]}
 
 
-class SlowUplink:
-    """A TCP proxy to 127.0.0.1:`port` for one connection that passes what the client sends at `rate` bytes a second
-    (a slow network path); `.port` is its own, `.passed` what it has passed on so far."""
-
-    def __init__(self, port: int, rate: int):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port, self.target, self.rate, self.passed = self.listener.getsockname()[1], port, rate, 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        client, _ = self.listener.accept()
-        self.listener.close()
-        upstream = socket.create_connection(("127.0.0.1", self.target))
-        threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
-        self._pipe(upstream, client, False)
-
-    def _pipe(self, source: socket.socket, sink: socket.socket, slow: bool) -> None:
-        try:
-            while data := source.recv(8192 if slow else 65536):
-                sink.sendall(data)
-                if slow:
-                    self.passed += len(data)
-                    time.sleep(len(data) / self.rate)
-            sink.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-
 def test_sigterm_serves_the_requests_that_arrived_before_it_and_exits_zero(rule_server):
     """A request still arriving when SIGTERM comes is answered: a /get_reward whose body is still being sent (an
     OpenRLHF batch must not fail for a rolling restart) and a gRPC Score whose message is (over a slow link); one that
@@ -950,7 +923,7 @@ def test_sigterm_serves_the_requests_that_arrived_before_it_and_exits_zero(rule_
             reply += sock.recv(65536) or b"}"
         return reply
 
-    uplink = SlowUplink(rule_server.grpc_port, 300_000)
+    uplink = NetworkPath(rule_server.grpc_port, uplink_rate=300_000)
     texts = ["river => " + "good bad " * 16] * 4000  # 600 KB: 2 s at 300 KB/s
     with grpc.insecure_channel(f"127.0.0.1:{uplink.port}") as ch, \
             concurrent.futures.ThreadPoolExecutor(1) as pool, \
@@ -960,7 +933,7 @@ def test_sigterm_serves_the_requests_that_arrived_before_it_and_exits_zero(rule_
                              timeout=30)
         finishing.sendall(head + body[:5])
         unfinished.sendall(head + body[:5])
-        while uplink.passed < 60_000 and not scored.done():  # the call's headers are in, its message is not
+        while uplink.sent < 60_000 and not scored.done():  # the call's headers are in, its message is not
             time.sleep(0.02)
         stopped = time.monotonic()
         rule_server.proc.send_signal(signal.SIGTERM)
@@ -973,10 +946,11 @@ def test_sigterm_serves_the_requests_that_arrived_before_it_and_exits_zero(rule_
         assert reply.startswith(b"HTTP/1.1 200"), reply
         assert json.loads(reply.partition(b"\r\n\r\n")[2])["rewards"] == expected
         assert decode(scored.result().rewards, "rewards").shape == (len(texts),)
-        assert uplink.passed > 500_000  # it was still arriving at the SIGTERM
+        assert uplink.sent > 500_000  # it was still arriving at the SIGTERM
         reply = reply_to(unfinished)
         assert reply.startswith(b"HTTP/1.1 503") and b"grace_period_s" in reply, reply
         assert 2.5 < time.monotonic() - stopped < 8
+    uplink.close()
     rule_server.proc.send_signal(signal.SIGTERM)  # a repeated signal changes nothing, to the last instant
     assert rule_server.terminate() == 0
     assert "Exception in ASGI application" not in rule_server.log() and "Traceback" not in rule_server.log()
