@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .advantages import MissingRewardComponents
         from .async_rollouts import RolloutWorkerError
-        from .checkpoints import ResumeError, RunDirInUse
+        from .checkpoints import ResumeError, RunDirInUse, UnknownMetric
         from .clients import IncompatibleServer, RemoteError
         from .data import DataError
         from .environments import BadEnvironment
@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     except StopNow as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except UnknownMetric as e:  # a config error found at the first checkpoint: the checkpoint is written
+        print(f"error: {e}; the run stopped after its checkpoint, and resumes from it with the name corrected",
+              file=sys.stderr)
+        return 2
     except OSError as e:
         if e.errno not in DISK_FULL:
             raise

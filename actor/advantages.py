@@ -128,22 +128,29 @@ def build_advantages(cfg: AdvEstimatorConfig) -> tuple[Estimator, Whitening]:
     return ESTIMATORS[cfg.name](cfg), finish
 
 
+def reward_shaping(cfg: ActorConfig) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """`ppo.reward_shaping` as one function of (rewards, response_lengths, ended), NeMo-RL's choice: none unless
+    enabled; the stop-properly penalty where its coefficient is set; DAPO's overlong penalty otherwise."""
+    sh = cfg.ppo.reward_shaping
+    if not sh.enabled:
+        return lambda rewards, lengths, ended: rewards
+    if (coef := sh.stop_properly_penalty_coef) is not None:
+        return lambda rewards, lengths, ended: stop_properly_penalty(rewards, ended, coef)
+    longest = sh.max_response_length or cfg.policy.generation.max_new_tokens
+    return lambda rewards, lengths, ended: rewards + overlong_penalty(
+        lengths, longest, sh.overlong_buffer_length, sh.overlong_buffer_penalty)
+
+
 class RewardPipeline:
-    """Sequence rewards -> what the estimators train on: `ppo.reward_scaling`, then `ppo.reward_shaping`
-    (DAPO's overlong penalty, the stop-properly penalty), applied alike to the reward and every component. The
-    batch keeps the rewards as given, for logging and dynamic sampling."""
+    """Sequence rewards -> what the estimators train on: `ppo.reward_scaling`, then `ppo.reward_shaping` (DAPO's
+    overlong penalty or the stop-properly penalty), applied alike to the reward and every component. The batch
+    keeps the rewards as given, for logging and dynamic sampling."""
 
     def __init__(self, cfg: ActorConfig):
-        self.scaling, self.shaping = cfg.ppo.reward_scaling, cfg.ppo.reward_shaping
-        self.max_response_length = self.shaping.max_response_length or cfg.policy.generation.max_new_tokens
+        self.scaling, self.shape = cfg.ppo.reward_scaling, reward_shaping(cfg)
 
     def __call__(self, rewards: Tensor, response_lengths: Tensor, ended: Tensor) -> Tensor:
-        s, sh = self.scaling, self.shaping
+        s = self.scaling
         if s.enabled:
             rewards = scale_rewards(rewards, s.source_min, s.source_max, s.target_min, s.target_max)
-        if sh.enabled:
-            rewards = rewards + overlong_penalty(response_lengths, self.max_response_length,
-                                                 sh.overlong_buffer_length, sh.overlong_buffer_penalty)
-        if sh.stop_properly_penalty_coef is not None:
-            rewards = stop_properly_penalty(rewards, ended, sh.stop_properly_penalty_coef)
-        return rewards
+        return self.shape(rewards, response_lengths, ended)

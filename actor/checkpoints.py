@@ -35,6 +35,24 @@ class RunDirInUse(RuntimeError):
     """Another actor holds the run directory."""
 
 
+class UnknownMetric(ValueError):
+    """checkpointing.metric_name names no metric the run logs; the message lists those it does."""
+
+
+def ranking_metric(name: str | None, metrics: dict[str, float] | None) -> float | None:
+    """The value of checkpointing.metric_name among a step's metrics: None without a name or metrics, and where a
+    validation metric is asked of a step without validation. A name missing from a step whose metrics could hold it
+    raises UnknownMetric (keep_top_k would rank every checkpoint last and keep the oldest)."""
+    if not name or not metrics:
+        return None
+    if name in metrics:
+        return metrics[name]
+    if name.startswith("val/") and not any(k.startswith("val/") for k in metrics):
+        return None
+    raise UnknownMetric(f"checkpointing.metric_name={name} is none of the metrics this run logs: "
+                        f"{', '.join(sorted(k for k in metrics if not k.startswith('timers/')))}")
+
+
 LOCK_FILE = ".lock"
 
 
@@ -198,13 +216,13 @@ def prune(root: Path, cfg: CheckpointingConfig) -> None:
     latest = found[-1]
     paired = next((path for path in reversed(found) if holds_its_critic(path)), latest)
 
-    def score(path: Path) -> float:
+    def rank(path: Path) -> tuple[float, int]:  # the best first; without the metric last; ties: the newer first
         value = json.loads((path / STATE_FILE).read_text()).get("metric")
         if value is None:
-            return float("-inf")
-        return value if cfg.higher_is_better else -value
+            return float("-inf"), step_of(path)
+        return (value if cfg.higher_is_better else -value), step_of(path)
 
-    keep = {latest, paired, *sorted(found[:-1], key=score, reverse=True)[: cfg.keep_top_k]}
+    keep = {latest, paired, *sorted(found[:-1], key=rank, reverse=True)[: cfg.keep_top_k]}
     for path in found:
         if path not in keep:
             log.info("retention (keep_top_k=%d by %s): removing %s", cfg.keep_top_k, cfg.metric_name, path)

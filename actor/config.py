@@ -212,11 +212,33 @@ class RewardScalingConfig(StrictModel):
 
 
 class RewardShapingConfig(StrictModel):
-    enabled: bool = Field(False, description="DAPO overlong penalty: responses longer than max_response_length - overlong_buffer_length lose up to overlong_buffer_penalty.")
-    overlong_buffer_length: int = Field(4, ge=1, description="Tokens before max_response_length where the penalty ramps up.")
-    overlong_buffer_penalty: float = Field(1.0, ge=0, description="Penalty at max_response_length.")
-    max_response_length: int | None = Field(None, ge=1, description="null: policy.generation.max_new_tokens.")
-    stop_properly_penalty_coef: float | None = Field(None, ge=0, le=1, description="Truncated samples (no EOS or stop token) get reward * coef; null disables. Applied whether or not `enabled`.")
+    """NeMo-RL's reward shaping: nothing unless `enabled`; then the stop-properly penalty where
+    stop_properly_penalty_coef is set, else DAPO's overlong penalty."""
+
+    enabled: bool = Field(False, description="Shape the rewards: with stop_properly_penalty_coef set, its penalty; else DAPO's overlong penalty (responses longer than max_response_length - overlong_buffer_length lose up to overlong_buffer_penalty), which needs both overlong keys. false: no shaping, every other key here unused (NeMo-RL's meaning).")
+    overlong_buffer_length: int | None = Field(None, ge=1, description="DAPO: tokens before max_response_length where the penalty ramps up.")
+    overlong_buffer_penalty: float | None = Field(None, ge=0, description="DAPO: penalty at max_response_length.")
+    max_response_length: int | None = Field(None, ge=1, description="DAPO: the length the penalty is full at; null: policy.generation.max_new_tokens.")
+    stop_properly_penalty_coef: float | None = Field(None, ge=0, le=1, description="Truncated samples (no EOS or stop token) get reward * coef, in place of DAPO's penalty; null: DAPO's penalty.")
+
+    @model_validator(mode="after")
+    def _one_penalty(self) -> RewardShapingConfig:
+        overlong = {k: v for k in ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+                    if (v := getattr(self, k)) is not None}
+        if not self.enabled and self.stop_properly_penalty_coef is not None:
+            raise ValueError(f"ppo.reward_shaping.stop_properly_penalty_coef ({self.stop_properly_penalty_coef}) "
+                             f"applies only with ppo.reward_shaping.enabled=true (NeMo-RL's meaning): set it, or the "
+                             f"coefficient to null")
+        if self.enabled and self.stop_properly_penalty_coef is not None and overlong:
+            raise ValueError(f"ppo.reward_shaping.stop_properly_penalty_coef ({self.stop_properly_penalty_coef}) "
+                             f"replaces DAPO's overlong penalty, so ppo.reward_shaping."
+                             f"{', ppo.reward_shaping.'.join(overlong)} would go unused: set those to null, or the "
+                             f"coefficient to null for DAPO's penalty")
+        missing = [k for k in ("overlong_buffer_length", "overlong_buffer_penalty") if getattr(self, k) is None]
+        if self.enabled and self.stop_properly_penalty_coef is None and missing:
+            raise ValueError(f"ppo.reward_shaping.enabled=true without stop_properly_penalty_coef is DAPO's overlong "
+                             f"penalty, which needs ppo.reward_shaping.{' and ppo.reward_shaping.'.join(missing)}")
+        return self
 
 
 class KLControllerConfig(StrictModel):
@@ -258,9 +280,9 @@ class PPOConfig(StrictModel):
     )
     use_dynamic_sampling: bool = Field(False, description="DAPO: keep only prompt groups whose rewards differ; generate more until the step is full.")
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1, description="Generation batches per step before dynamic sampling gives up with an error.")
-    batch_multiplier: float = Field(1.0, ge=1, description="Generate ceil(num_prompts_per_step * this) prompts per generation batch (dynamic sampling).")
+    batch_multiplier: float = Field(1.0, ge=1, description="Generate ceil(num_prompts_per_step * this) prompts per generation batch; only with use_dynamic_sampling.")
     policy_training_start_step: int = Field(
-        0, ge=0, description="The policy trains at steps >= this (steps count from 1, so 0 and 1 both train from the first); the critic trains from the first step. NeMo-Aligner critic_warmup_steps=N is N + 1."
+        0, ge=0, description="Critic warm-up: the number of steps at the start in which only the critic trains (NeMo-RL's meaning; NeMo-Aligner's critic_warmup_steps); the policy trains from the step after them. 0: both train from the first step."
     )
     skip_reference_policy_logprobs_calculation: bool = Field(False, description="Skip the reference model (allowed only without any KL term).")
     max_rollout_turns: int = Field(
@@ -336,6 +358,9 @@ class LoggerConfig(StrictModel):
     num_val_samples_to_print: int = Field(3, ge=0, description="Prompt/response/reward samples printed at the first and last step.")
 
 
+LOGGED_METRIC_PREFIXES = ("val/", "train_rollouts/", "train_optim/", "critic/", "timers/")
+
+
 class CheckpointingConfig(StrictModel):
     enabled: bool = Field(True, description="Write checkpoints under <run_dir>/checkpoints.")
     save_period: int = Field(10, ge=0, description="Checkpoint every N steps (and always at the end); 0 only at the end.")
@@ -344,10 +369,24 @@ class CheckpointingConfig(StrictModel):
         "is one; never: start over; step_N: this run's checkpoint of step N (<run_dir>/checkpoints/step_N); or the path of "
         "a step_N checkpoint to continue from (another run's too).")
     keep_top_k: int | None = Field(None, ge=1, description="Keep only the latest checkpoint, the k best by metric_name and the newest that holds its critic (once the critic's Saves fail, the only one a resume is exact from); null keeps all.")
-    metric_name: str | None = Field(None, description="The metric that ranks checkpoints for keep_top_k, e.g. val/rewards (a checkpoint without it ranks last).")
+    metric_name: str | None = Field(None, description="The metric that ranks checkpoints for keep_top_k, as the run logs it, e.g. val/rewards; NeMo-RL's form val:<name> / train:<name> is read as val/<name> / train/<name>, and its val:accuracy (the mean validation reward) as val/rewards. A checkpoint of a step without validation ranks last (ties: the newer first); a name the step's metrics lack when they hold a validation stops the run after that step's checkpoint, listing the names there are.")
     higher_is_better: bool = Field(True, description="Whether a larger metric_name is better.")
     checkpoint_must_save_by: str | None = Field(
         None, description="Run time after which the actor checkpoints and stops (exit 0), as HH:MM:SS or DD:HH:MM:SS, e.g. a job's time limit minus a margin; null disables.")
+
+    @field_validator("metric_name")
+    @classmethod
+    def _logged_name(cls, name: str | None) -> str | None:
+        """NeMo-RL names a metric `val:accuracy`; this run logs it as val/rewards."""
+        if name is None:
+            return name
+        if ":" in name:
+            name = name.replace(":", "/", 1)
+            name = "val/rewards" if name == "val/accuracy" else name
+        if not name.startswith(LOGGED_METRIC_PREFIXES):
+            raise ValueError(f"checkpointing.metric_name={name} is no metric the run logs: expected one under "
+                             f"{', '.join(LOGGED_METRIC_PREFIXES)} (e.g. val/rewards)")
+        return name
 
     @model_validator(mode="after")
     def _consistent(self) -> CheckpointingConfig:
@@ -456,7 +495,7 @@ class ActorConfig(StrictModel):
         loss_kl = self.loss_fn.reference_policy_kl_penalty
         shaping = p.reward_shaping
         longest = shaping.max_response_length or self.policy.generation.max_new_tokens
-        if shaping.enabled and shaping.overlong_buffer_length > longest:
+        if shaping.enabled and shaping.overlong_buffer_length is not None and shaping.overlong_buffer_length > longest:
             raise ValueError(f"ppo.reward_shaping.overlong_buffer_length ({shaping.overlong_buffer_length}) is longer "
                              f"than the response may be ({longest}: ppo.reward_shaping.max_response_length, else "
                              f"policy.generation.max_new_tokens), so every response would be penalised")
@@ -475,6 +514,9 @@ class ActorConfig(StrictModel):
             raise ValueError(f"ppo.use_dynamic_sampling=true keeps prompt groups whose rewards differ, but {name}"
                              f"{' with minus_baseline=false' if est.name == 'reinforce_plus_plus' else ''} has no "
                              "groups: use grpo, gdpo or reinforce_plus_plus")
+        if p.batch_multiplier != 1 and not p.use_dynamic_sampling:
+            raise ValueError(f"ppo.batch_multiplier ({p.batch_multiplier}) over-samples prompts for dynamic sampling: "
+                             f"it needs ppo.use_dynamic_sampling=true (as in NeMo-RL), or set it to 1")
         if est.name in ("grpo", "gdpo") and kl.init_kl_coef > 0:
             raise ValueError(f"{name} takes the KL in the loss: set ppo.kl_controller.init_kl_coef=0 and "
                              "loss_fn.reference_policy_kl_penalty instead")

@@ -20,7 +20,6 @@ from typing import Any
 import grpc
 import torch
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from algorithms import (
@@ -36,6 +35,7 @@ from algorithms import (
     truncated_importance_weights,
 )
 from embedded import naming_the_model, resolve_model
+from serving.metrics import process_registry
 from serving.modeling import (
     TORCH_DTYPES,
     PassLimits,
@@ -110,7 +110,7 @@ class PPOTrainer:
     def __init__(self, cfg: ActorConfig):
         self.cfg = cfg
         self.timers = Timers()
-        self.registry = CollectorRegistry()
+        self.registry = process_registry()
         self.ready = False
         self.stop_requested, self.stop_signal = False, ""
         self.stalled_steps = 0  # steps in a row whose every policy, or critic, optimizer step was skipped as non-finite
@@ -118,7 +118,7 @@ class PPOTrainer:
         self.run_lock = checkpoints.lock_run_dir(self.run_dir)  # before anything in it is read or written
         self.ops = None
         if cfg.http_port:
-            app = FastAPI(title="actor", docs_url=None, redoc_url=None)
+            app = FastAPI(title="actor", docs_url=None, redoc_url=None, redirect_slashes=False)
             add_ops_routes(app, self.registry, lambda: self.ready)
             self.ops = start_ops_thread(app, cfg.host, cfg.http_port)
 
@@ -391,7 +391,7 @@ class PPOTrainer:
                                                  vl.scale, request_id=f"{self.run_id}/{step}/0",
                                                  epochs=cfg.critic.ppo_epochs)
         metrics: dict[str, float] = {}
-        if step >= p.policy_training_start_step:
+        if step > p.policy_training_start_step:  # that many critic-only steps first (NeMo-RL's meaning)
             # the critic trains at the same time: on a shared machine the actor keeps to its share of the cores
             with t("train_time"), torch_threads(self.update_threads()), \
                     self.models.training():
@@ -486,7 +486,10 @@ class PPOTrainer:
         meta = {"step": step, "actor": str((final / "actor").resolve()), "critic": critic_path,
                 "consumed_samples": self.sampler.consumed, "epoch": self.sampler.epoch, "kl_coef": self.kl_coef}
         (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
-        metric = (metrics or {}).get(self.cfg.checkpointing.metric_name or "")
+        try:
+            metric, unknown = checkpoints.ranking_metric(self.cfg.checkpointing.metric_name, metrics), None
+        except checkpoints.UnknownMetric as e:  # the checkpoint is written all the same; nothing is pruned by it
+            metric, unknown = None, e
         state = {**meta, **unsaved, "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
                  "reward_serves": self.servers.reward_serves,
                  "next_group": self.collector.next_group, "metric": metric,
@@ -498,6 +501,8 @@ class PPOTrainer:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        if unknown is not None:
+            raise unknown
         checkpoints.prune(root, self.cfg.checkpointing)
         return final
 

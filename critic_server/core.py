@@ -286,7 +286,7 @@ class CriticCore:
 
     # --- inference ------------------------------------------------------------------------------
     def validate_infer(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
+        check_tokens(tokens, "tokens", self.vocab_size, self.max_length, self.cfg.max_request_rows)
         check_lengths(lengths, "lengths", tokens.shape[0], tokens.shape[1])
         return tokens.long(), lengths.long()
 
@@ -332,7 +332,7 @@ class CriticCore:
         if epochs is not None and not 0 <= epochs <= MAX_EPOCHS:
             raise InvalidArgument(f"epochs: expected 1 to {MAX_EPOCHS} passes over the batch (0 or unset: 1), "
                                   f"got {epochs}")
-        check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
+        check_tokens(tokens, "tokens", self.vocab_size, self.max_length, self.cfg.max_request_rows)
         b, s = tokens.shape
         if s < 2:
             raise InvalidArgument("tokens: need at least 2 positions per row to train on actions")

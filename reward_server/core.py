@@ -45,6 +45,7 @@ from serving.validation import check_int_vector, check_lengths, check_tokens
 
 from .config import RewardConfig
 from .scorers import SCORERS, component_name
+from .special_text import COMMON_END_MARKS, special_marks, without_end_marks
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class RewardCore:
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
+        self.end_marks = special_marks((*self.tokenizer.all_special_tokens, *COMMON_END_MARKS))
         # no token spells more characters than the longest in the vocabulary (normalizers aside, hence the factor 4):
         # a longer text is over the max length before it is tokenized, which costs some 300 B a token
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
@@ -205,7 +207,7 @@ class RewardCore:
     def _validate_tokens(self, tokens, lengths, prompt_lengths, prompts) -> ScoreInput:
         if prompts:
             raise InvalidArgument("prompts: only used with texts; with tokens, send prompt_lengths")
-        check_tokens(tokens, "tokens", self.vocab_size, self.max_length)
+        check_tokens(tokens, "tokens", self.vocab_size, self.max_length, self.cfg.max_request_rows)
         if lengths is None:
             raise InvalidArgument("lengths: required with tokens")
         b, s = tokens.shape
@@ -234,17 +236,21 @@ class RewardCore:
             if value is not None:
                 raise InvalidArgument(f"{name}: only used with tokens")
         b = len(texts)
-        inp = ScoreInput(rows=b, responses=list(texts))
+        responses = list(texts)
+        # the rule scorers read each response as token ids decoded without their special tokens would read: a text
+        # decoded with them kept (OpenRLHF's queries) ends with the policy's EOS text, which no label has
+        inp = ScoreInput(rows=b, responses=[without_end_marks(r, self.end_marks) for r in responses])
         if prompts:
             _check_count(prompts, "prompts", b)
             # OpenRLHF truncates long prompts, so a text need not start with its prompt; it is then scored whole.
             whole = [i for i, (text, prompt) in enumerate(zip(texts, prompts)) if not text.startswith(prompt)]
             if whole:
                 log.debug("%s%s do not start with their prompts; scored whole", texts_field, whole)
-            inp.responses = [text.removeprefix(prompt) for text, prompt in zip(texts, prompts)]
-            if self.encoder:  # encoders' reward models are trained on (prompt, response) pairs
+            responses = [text.removeprefix(prompt) for text, prompt in zip(texts, prompts)]
+            inp.responses = [without_end_marks(r, self.end_marks) for r in responses]
+            if self.encoder:  # encoders' reward models are trained on (prompt, response) pairs, as sent
                 pairs = [(p, r) if i not in whole else (t, None)
-                         for i, (t, p, r) in enumerate(zip(texts, prompts, inp.responses))]
+                         for i, (t, p, r) in enumerate(zip(texts, prompts, responses))]
                 inp.tokens, inp.lengths = self._tokenize_pairs(pairs, texts_field)
                 return inp
         if self.model is not None:
@@ -326,7 +332,7 @@ class RewardCore:
                 raise InvalidArgument(f"{field}[{i}]: {len(row)} tokens exceed the model's max length "
                                       f"{self.max_length}")
         tokens, lengths = right_pad(ids, self.pad_id)
-        check_tokens(tokens, field, self.vocab_size, self.max_length)
+        check_tokens(tokens, field, self.vocab_size, self.max_length, self.cfg.max_request_rows)
         return tokens, lengths
 
     # --- scoring --------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ carry (NaN, Infinity, lone surrogates) is refused with 400 (422 where a string i
 
 OpenRLHF decodes its padded batch with the special tokens kept, so a query may begin with pad text and end with
 pad text after its EOS. As OpenRLHF's own reward server, this one drops runs of pad (and EOS) text at the start of
-each query and prompt and of pad text at the end, and a run of EOS text at the end counts once; a query that came
-unpadded is scored as it is, as gRPC Score scores it. An empty request (OpenRLHF spreads a batch over several
+each query and prompt and of pad text at the end, and a run of EOS text at the end counts once (whitespace between
+the marks, as tokenizers that decode word by word put there, is part of a run); a query that came unpadded is
+scored as it is, as gRPC Score scores it. The rule scorers read each response without the special-token text it ends
+with (core.RewardCore._validate_texts). An empty request (OpenRLHF spreads a batch over several
 servers, so a slice may hold nothing) gets empty lists.
 """
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ from pydantic import BaseModel, Field
 from transformers import PreTrainedTokenizerBase
 
 from serving.errors import InvalidArgument, ServiceError
+
+from .special_text import leading_run_end, special_marks, trailing_run
 
 if TYPE_CHECKING:
     from .servicer import RewardService
@@ -96,22 +99,25 @@ def add_reward_routes(service: RewardService) -> None:
 def unpadded(tokenizer: PreTrainedTokenizerBase | None) -> Callable[..., str]:
     """A function dropping the padding OpenRLHF's decoded batches carry: runs of the tokenizer's pad and EOS text at
     the start; at the end, runs of pad text, and a run of EOS text down to one (where pad and EOS are the same text,
-    a run of it at the end becomes one EOS). Without `start_only` it strips both ends."""
+    a run of it at the end becomes one EOS). Whitespace between the marks counts as part of a run (tokenizers that
+    decode word by word put a space between special tokens). Without `start_only` it strips both ends; a text with
+    nothing to drop comes back as it is."""
     pad, eos = (getattr(tokenizer, "pad_token", None), getattr(tokenizer, "eos_token", None))
-    marks = [re.escape(t) for t in (pad, eos) if isinstance(t, str) and t]
+    marks = special_marks((pad, eos))
     if not marks:
         return lambda text, start_only=False: text
-    leading = re.compile(f"^(?:{'|'.join(marks)})+")
-    pads = re.escape(pad) if isinstance(pad, str) and pad and pad != eos else None
-    trailing = re.compile(f"(?:{pads})+$") if pads else None
-    eos_run = re.compile(f"(?:{re.escape(eos)}){{2,}}$") if isinstance(eos, str) and eos else None
+    pads = (pad,) if isinstance(pad, str) and pad and pad != eos else ()
+    eos_marks = (eos,) if isinstance(eos, str) and eos else ()
 
     def strip(text: str, start_only: bool = False) -> str:
-        text = leading.sub("", text)
-        if not start_only:
-            text = trailing.sub("", text) if trailing else text
-            text = eos_run.sub(eos, text) if eos_run else text
-        return text
+        text = text[leading_run_end(text, marks):]
+        if start_only:
+            return text
+        end, padded = trailing_run(text, pads, len(text)) if pads else (len(text), 0)
+        start, ends = trailing_run(text, eos_marks, end) if eos_marks else (end, 0)
+        if ends and (padded or ends > 1):
+            return text[:start] + eos
+        return text[:end].rstrip() if padded else text
 
     return strip
 

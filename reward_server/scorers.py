@@ -51,17 +51,22 @@ _WRAPPER = re.compile(r"\\(?:text|textbf|mathbf|mathrm|textrm|mbox|operatorname)
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\s*=\s*(?=\S)")  # x = 7
 _BARE_FRAC = re.compile(r"\\([dt]?frac)(\d)(\d)")  # \frac12
-_WITH_UNIT = re.compile(r"(-?\$?[\d.,/]+%?)\s+[A-Za-z]{2,}[A-Za-z ]*\.?")  # 18 dollars (not 2 x)
+# 18 dollars (not 2 x); two letters, then letters and spaces: `[A-Za-z]{2,}[A-Za-z ]*` matched the same texts with
+# two ways to split every run of letters, which a failed fullmatch tried all of (a 40,000-letter label, 11 s)
+_WITH_UNIT = re.compile(r"(-?\$?[\d.,/]+%?)\s+[A-Za-z]{2}[A-Za-z ]*\.?")
+_MAX_WRAPPER_DEPTH = 16  # each level is a pass over the answer: unbounded, a label of nested \text{ took 16 s
 
 
 def clean_answer(text: str) -> str:
     """An answer without notation that leaves it the same answer: TeX's {,} thousands separator,
-    \\$, \\left/\\right, degrees (^\\circ, °), \\text{...}-style wrappers (their content kept), markdown bold, and
+    \\$, \\left/\\right, degrees (^\\circ, °), \\text{...}-style wrappers (their content kept; up to 16 nested), markdown bold, and
     a leading single-variable assignment (x = 7 -> 7); \\frac12 becomes \\frac{1}{2}."""
     t = text.replace("{,}", ",").replace("\\$", "$")
     t = t.replace("\\left", "").replace("\\right", "")
     t = _DEGREES.sub("", t)
-    while (unwrapped := _WRAPPER.sub(r"\1", t)) != t:
+    for _ in range(_MAX_WRAPPER_DEPTH):
+        if (unwrapped := _WRAPPER.sub(r"\1", t)) == t:
+            break
         t = unwrapped
     t = _ASSIGNMENT.sub("", t.strip().strip("*").strip())
     return _BARE_FRAC.sub(r"\\\1{\2}{\3}", t).strip()

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 # (method, padded tokens) of each forward pass a server's model runs: ServiceMetrics.observe_pass
 PassObserver = Callable[[str, int], None]
@@ -18,6 +25,16 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 
 
+def process_registry() -> CollectorRegistry:
+    """A registry of one service's own series, with the process's (process_resident_memory_bytes,
+    process_start_time_seconds, open file descriptors, CPU seconds) and python_info beside them, as the
+    client library's default registry has them: an operator alerts on memory and sees restarts."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
+
+
 class ServiceMetrics:
     """Request counts by method and status, latency, queue time, batch size, padded tokens per forward pass, queue
     depth.
@@ -26,7 +43,7 @@ class ServiceMetrics:
     """
 
     def __init__(self, service: str):
-        self.registry = CollectorRegistry()
+        self.registry = process_registry()
         p = f"ppo_{service}"
         self.prefix = p
         self.requests = Counter(f"{p}_requests", "Requests by method and status code", ["method", "code"],
@@ -40,8 +57,8 @@ class ServiceMetrics:
         self.batch_size = Histogram(f"{p}_batch_size", "Rows per executed batch", ["method"],
                                     buckets=_BATCH_BUCKETS, registry=self.registry)
         self.pass_tokens = Histogram(f"{p}_pass_tokens", "Padded tokens (rows x width) of each model forward pass a "
-                                     "batch is cut into (by length, batching.max_tokens_per_pass, "
-                                     "train.micro_batch_size)", ["method"], buckets=_TOKEN_BUCKETS,
+                                     "batch is cut into (by length and batching.max_tokens_per_pass; a critic's "
+                                     "Train also by train.micro_batch_size)", ["method"], buckets=_TOKEN_BUCKETS,
                                      registry=self.registry)
         self.queue_depth = Gauge(f"{p}_queue_size", "Requests waiting for the model worker", registry=self.registry)
         self.ready = Gauge(f"{p}_ready", "1 when the model is loaded and the server accepts work",

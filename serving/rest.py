@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gzip
 import logging
 import math
 import socket
@@ -137,7 +138,10 @@ def add_ops_routes(app: FastAPI, registry: CollectorRegistry, is_ready: Callable
             encode, content_type = choose_encoder(request.headers.get("accept", ""))
         except (TypeError, ValueError):  # prometheus-client fails on a version= that is no number: the default
             encode, content_type = choose_encoder("")
-        return Response(encode(registry), media_type=content_type)
+        body, headers = encode(registry), {"Vary": "Accept-Encoding"}
+        if "gzip" in request.headers.get("accept-encoding", ""):  # as prometheus-client's own exporters do
+            body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
+        return Response(body, media_type=content_type, headers=headers)
 
 
 # How long a client may take to send a whole request from the moment the server waits for one (the connection's

@@ -167,11 +167,42 @@ class ArrivalInterceptor(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+def _describe_reflection_v1() -> None:
+    """Put grpc.reflection.v1's file into the descriptor pool reflection answers from, so that the v1 service it
+    lists can be described too: grpcio-reflection ships only v1alpha's, whose messages are v1's under another
+    package."""
+    pool, name = descriptor_pool.Default(), "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old, proto.name, proto.package = f".{proto.package}.", name, REFLECTION_V1
+    for method in (m for service in proto.service for m in service.method):
+        method.input_type = method.input_type.replace(old, f".{REFLECTION_V1}.")
+        method.output_type = method.output_type.replace(old, f".{REFLECTION_V1}.")
+    for field in (f for message in proto.message_type for f in message.field if f.type_name):
+        field.type_name = field.type_name.replace(old, f".{REFLECTION_V1}.")
+    pool.AddSerializedFile(proto.SerializeToString())
+
+
+class ListingHealthServicer(health.aio.HealthServicer):
+    """The stock health servicer, with grpc.health.v1's List answered (the stock one leaves it unimplemented, and
+    every call logged a traceback): the status of every service it knows."""
+
+    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
+
+
 def add_probe_services(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
     """Standard health, and server reflection under grpc.reflection.v1 (what current grpcurl and Postman ask
     first) and v1alpha (older clients), with the request bytes parsed in our code like every other service. The
     two reflection protocols have identical messages, so one servicer answers both. Returns the health servicer."""
-    health_servicer = health.aio.HealthServicer()
+    _describe_reflection_v1()
+    health_servicer = ListingHealthServicer()
     health_name = add_parsing_service(server, health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"])
     reflection_service = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
     names = [*service_names, health_name, f"{REFLECTION_V1}.{reflection_service.name}", reflection_service.full_name]
@@ -196,7 +227,7 @@ class Service:
         self.ready = False
         self.stopping_since: float | None = None  # time.monotonic() when the shutdown began
         self._requests: dict[object, float] = {}  # the requests being served, and when each arrived
-        self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None)
+        self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None, redirect_slashes=False)
         add_ops_routes(self.app, self.metrics.registry, lambda: self.ready)
 
         @self.app.exception_handler(RequestValidationError)

@@ -45,7 +45,8 @@ class ServerConfig(SecurityConfig):
         "per-action values); a larger message gets RESOURCE_EXHAUSTED from gRPC before it is buffered.")
     max_request_rows: int = Field(
         4096, ge=1, description="Rows of max_length tokens one request may carry (a Train carries the whole "
-        "rollout); sets the gRPC receive limit (see max_message_mb). Rows of shorter sequences fit in proportion.")
+        "rollout); sets the gRPC receive limit (see max_message_mb). Rows of shorter sequences fit in proportion; a "
+        "request of more tokens (or, without a max length, more rows) is INVALID_ARGUMENT.")
     grace_period_s: float = Field(30.0, ge=0, description="How long in-flight work may take after SIGTERM.")
     http_read_timeout_s: float = Field(
         30.0, gt=0, allow_inf_nan=False, description="How long a REST client may take to send a whole request (head "

@@ -6,16 +6,26 @@ from __future__ import annotations
 import torch
 
 from .errors import InvalidArgument
+from .modeling import NO_LENGTH_LIMIT
 
 
-def check_tokens(tokens: torch.Tensor, field: str, vocab_size: int, max_length: int) -> None:
-    """tokens must be a non-empty integer [B, S] tensor of ids in [0, vocab_size) with S <= max_length."""
+def check_tokens(tokens: torch.Tensor, field: str, vocab_size: int, max_length: int, max_rows: int) -> None:
+    """tokens must be a non-empty integer [B, S] tensor of ids in [0, vocab_size) with S <= max_length, and no more
+    tokens than `max_rows` rows of max_length (`max_request_rows`; shorter rows fit in proportion; with no length
+    limit, at most max_rows rows). The receive limit alone does not hold a request to it: it counts bytes for the
+    widest encoding of a token, and uint8 ids are a 32nd of that."""
     if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise InvalidArgument(f"{field}: expected a non-empty [batch, seq_len] tensor, got shape {list(tokens.shape)}")
     if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
         raise InvalidArgument(f"{field}: expected integer token ids (DTYPE_INT64), got {tokens.dtype}")
-    if tokens.shape[1] > max_length:
-        raise InvalidArgument(f"{field}: sequence length {tokens.shape[1]} exceeds the model's max length {max_length}")
+    rows, width = tokens.shape
+    if width > max_length:
+        raise InvalidArgument(f"{field}: sequence length {width} exceeds the model's max length {max_length}")
+    if max_length >= NO_LENGTH_LIMIT and rows > max_rows:
+        raise InvalidArgument(f"{field}: {rows} rows, more than one request may carry (max_request_rows {max_rows})")
+    if max_length < NO_LENGTH_LIMIT and rows * width > max_rows * max_length:
+        raise InvalidArgument(f"{field}: {rows} x {width} = {rows * width} tokens, more than one request may carry "
+                              f"(max_request_rows {max_rows} rows of the model's max length {max_length})")
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         raise InvalidArgument(f"{field}: token ids must lie in [0, {vocab_size}), got range [{lo}, {hi}]")

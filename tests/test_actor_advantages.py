@@ -68,20 +68,32 @@ def test_advantage_clip_after_normalisation():
     torch.testing.assert_close(finish(torch.tensor([[-1.0, 1.0, 5.0]]), mask), torch.tensor([[-0.2, 0.3, 0.0]]))
 
 
-def test_reward_pipeline_scales_then_shapes():
+def test_reward_pipeline_scales_then_applies_dapo_s_overlong_penalty():
     cfg = load_config(ActorConfig, None, [
         "ppo.reward_scaling.enabled=true", "ppo.reward_scaling.target_min=-1", "ppo.reward_scaling.target_max=1",
         "ppo.reward_shaping.enabled=true", "ppo.reward_shaping.overlong_buffer_length=4",
-        "ppo.reward_shaping.overlong_buffer_penalty=1", "ppo.reward_shaping.stop_properly_penalty_coef=0.5",
-        "policy.generation.max_new_tokens=12"])
+        "ppo.reward_shaping.overlong_buffer_penalty=1", "policy.generation.max_new_tokens=12"])
     pipeline = RewardPipeline(cfg)
     rewards = torch.tensor([0.5, 1.5, 0.0, 1.0])
     lengths = torch.tensor([8, 10, 12, 12])
     ended = torch.tensor([True, True, False, True])
     # scaled to [-1, 1]: 0.5 -> 0, 1.5 clamps to 1 -> 1, 0 -> -1, 1 -> 1
     # overlong: max 12, buffer 4: the ramp starts after 8 tokens; 8 -> 0, 10 -> -2/4 = -0.5, 12 -> -1
-    # -> [0, 0.5, -2, 0]; then truncated samples (the third) times 0.5 -> -1
-    torch.testing.assert_close(pipeline(rewards, lengths, ended), torch.tensor([0.0, 0.5, -1.0, 0.0]))
+    torch.testing.assert_close(pipeline(rewards, lengths, ended), torch.tensor([0.0, 0.5, -2.0, 0.0]))
+
+
+def test_the_stop_properly_penalty_replaces_the_overlong_one_and_nothing_shapes_unless_enabled():
+    """NeMo-RL's reward shaping: with stop_properly_penalty_coef, truncated samples' rewards times it and no DAPO
+    penalty; `enabled: false` shapes nothing."""
+    cfg = load_config(ActorConfig, None, ["ppo.reward_shaping.enabled=true",
+                                          "ppo.reward_shaping.stop_properly_penalty_coef=0.5",
+                                          "policy.generation.max_new_tokens=12"])
+    rewards, lengths = torch.tensor([0.5, -2.0, 1.0]), torch.tensor([12, 12, 3])
+    ended = torch.tensor([True, False, False])
+    torch.testing.assert_close(RewardPipeline(cfg)(rewards, lengths, ended), torch.tensor([0.5, -1.0, 0.5]))
+    off = load_config(ActorConfig, None, ["ppo.reward_shaping.overlong_buffer_length=4",
+                                          "ppo.reward_shaping.overlong_buffer_penalty=1"])  # as NeMo-RL's GRPO config
+    torch.testing.assert_close(RewardPipeline(off)(rewards, lengths, ended), rewards)
 
 
 def test_reward_pipeline_is_the_identity_by_default():

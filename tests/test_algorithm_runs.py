@@ -283,12 +283,12 @@ def test_every_example_config_raises_the_reward(config, reward, critic, tmp_path
 
 
 def test_warmup_validation_adaptive_kl_and_importance_sampling_in_one_run(reward, critic, tmp_path):
-    """The critic trains from step 1 and the policy from policy_training_start_step; validation before the
+    """The critic trains from step 1 and the policy after policy_training_start_step steps of warm-up; validation before the
     first step and after the last; the adaptive controller moves beta; TIS reports its weights."""
     run = run_actor("ppo", tmp_path / "run", "ppo.max_num_steps=2", "ppo.num_prompts_per_step=16",
                     "policy.generation_batch_size=8", "policy.train_global_batch_size=8",
                     "policy.train_micro_batch_size=4", "checkpointing.enabled=false", "logger.num_val_samples_to_print=0",
-                    "ppo.policy_training_start_step=2", "ppo.val_period=0", "ppo.val_at_start=true",
+                    "ppo.policy_training_start_step=1", "ppo.val_period=0", "ppo.val_at_start=true",
                     "ppo.val_at_end=true", "ppo.max_val_samples=8", "ppo.val_batch_size=4",
                     "ppo.kl_controller.type=adaptive", "ppo.kl_controller.horizon=100",
                     "loss_fn.token_level_loss=false", "loss_fn.ratio_clip_c=3",

@@ -46,6 +46,28 @@ def test_keep_top_k_keeps_the_latest_and_the_best(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
 
 
+def test_the_ranking_metric_is_one_the_run_logs(tmp_path):
+    """NeMo-RL's val:accuracy is the mean validation reward; a name no step logs stops the run at its first
+    checkpoint (keep_top_k ranked every checkpoint last and kept the oldest), and one no run logs at start."""
+    assert CheckpointingConfig(metric_name="val:accuracy").metric_name == "val/rewards"
+    assert CheckpointingConfig(metric_name="val:response_lengths").metric_name == "val/response_lengths"
+    for bad in ("accuracy", "train:loss", "val_reward"):
+        with pytest.raises(ValueError, match=f"checkpointing.metric_name={bad.replace(':', '/')} is no metric"):
+            CheckpointingConfig(metric_name=bad)
+    step = {"train_rollouts/rewards": 0.5, "timers/step_time": 1.0}
+    assert checkpoints.ranking_metric("val/rewards", step) is None  # a step without validation
+    assert checkpoints.ranking_metric("val/rewards", {**step, "val/rewards": 0.7}) == 0.7
+    assert checkpoints.ranking_metric("train_rollouts/rewards", step) == 0.5
+    for name, metrics in (("val/reward", {**step, "val/rewards": 0.7}), ("train_rollouts/reward", step)):
+        with pytest.raises(checkpoints.UnknownMetric, match=f"metric_name={name} is none of .*train_rollouts/rewards"):
+            checkpoints.ranking_metric(name, metrics)
+    # checkpoints without the metric rank last, the newer first among equals
+    for n in range(1, 6):
+        make(tmp_path, n, 0.9 if n == 2 else None)
+    checkpoints.prune(tmp_path, CheckpointingConfig(keep_top_k=2, metric_name="val/rewards"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_4", "step_5"]
+
+
 def test_keep_top_k_keeps_the_newest_checkpoint_that_holds_its_critic(tmp_path):
     """Once the critic's Saves fail (its disk full), the checkpoints after hold no critic: the newest one that does
     is kept whatever its metric, so the run can still resume exactly from it."""

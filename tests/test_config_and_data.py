@@ -369,8 +369,17 @@ def test_labels_travel_with_prompts_and_missing_ones_name_the_line(tmp_path, tok
         (["ppo.adv_estimator.advantage_clip_low=1", "ppo.adv_estimator.advantage_clip_high=-1"],
          ["ppo.adv_estimator.advantage_clip_low (1.0)", "ppo.adv_estimator.advantage_clip_high (-1.0)"]),
         (["ppo.reward_shaping.enabled=true", "ppo.reward_shaping.overlong_buffer_length=100",
-          "policy.generation.max_new_tokens=16"],
+          "ppo.reward_shaping.overlong_buffer_penalty=1", "policy.generation.max_new_tokens=16"],
          ["ppo.reward_shaping.overlong_buffer_length (100)", "policy.generation.max_new_tokens"]),
+        (["ppo.batch_multiplier=3"], ["ppo.batch_multiplier (3.0)", "ppo.use_dynamic_sampling=true"]),
+        # NeMo-RL's reward shaping: nothing unless enabled, one penalty at a time, DAPO's with both of its keys
+        (["ppo.reward_shaping.stop_properly_penalty_coef=0"],
+         ["ppo.reward_shaping.stop_properly_penalty_coef (0.0)", "ppo.reward_shaping.enabled=true"]),
+        (["ppo.reward_shaping.enabled=true", "ppo.reward_shaping.stop_properly_penalty_coef=0.5",
+          "ppo.reward_shaping.overlong_buffer_length=4"],
+         ["ppo.reward_shaping.stop_properly_penalty_coef (0.5)", "ppo.reward_shaping.overlong_buffer_length"]),
+        (["ppo.reward_shaping.enabled=true", "ppo.reward_shaping.overlong_buffer_length=4"],
+         ["ppo.reward_shaping.enabled=true", "ppo.reward_shaping.overlong_buffer_penalty"]),
         (["policy.optimizer.kwargs.lr=inf"], ["policy.optimizer.kwargs.lr", "finite"]),
     ],
 )

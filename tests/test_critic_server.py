@@ -354,6 +354,21 @@ def test_a_realistic_batch_fits_the_transport(stub):
     assert "max length" in details
 
 
+def test_a_request_carries_at_most_max_request_rows_rows_of_max_length_tokens(stub):
+    """The receive limit counts bytes for the widest encoding of a token (32 B); uint8 ids take one, so a message
+    under it carried 32 times the tokens max_request_rows allows (one held the model thread for 10 s). Shorter rows
+    fit in proportion; past the budget the request is refused naming the field."""
+    max_length = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).max_length
+    budget = 4096 * max_length  # the default max_request_rows
+    fits = torch.ones(budget // 8, 8, dtype=torch.uint8)
+    assert infer(stub, fits[:64], torch.full((64,), 8)).shape == (64, 8)
+    over = torch.ones(budget // 8 + 1, 8, dtype=torch.uint8)
+    details = expect_invalid(stub.Infer, critic_pb2.InferRequest(tokens=encode(over),
+                                                                 lengths=encode(torch.full((len(over),), 8))),
+                             "tokens", "max_request_rows")
+    assert f"{budget + 8} tokens" in details
+
+
 def test_bad_train_requests_leave_the_weights_alone(stub):
     tokens, lengths = batch(5)
     before, step = infer(stub, tokens, lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
@@ -408,6 +423,9 @@ def test_health_reflection_and_rest_endpoints(critic):
     for service in ("", "ppo_services.v1.CriticService"):
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    listed = health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest(), timeout=10).statuses
+    assert {name: s.status for name, s in listed.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING, "ppo_services.v1.CriticService": health_pb2.HealthCheckResponse.SERVING}
     refl = reflection_pb2_grpc.ServerReflectionStub(ch)
     answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
     names = {s.name for a in answers for s in a.list_services_response.service}

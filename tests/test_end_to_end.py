@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from actor import checkpoints
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from serving.modeling import last_token_scores, load_scalar_head_model, per_token_scores
@@ -175,6 +176,23 @@ def test_an_actor_started_before_its_servers_waits_for_them(embedded_cache, log_
     assert actor.returncode == 0, out
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (run_dir / "reward_curve.png").exists()  # logger.reward_curve_enabled=false (actor_command)
+
+
+def test_a_checkpoint_metric_the_run_does_not_log_stops_it_after_the_checkpoint(servers, tmp_path):
+    """keep_top_k ranks checkpoints by checkpointing.metric_name; a name no step logs ranked them all last and kept
+    the oldest. The first checkpoint of a step with validation finds it missing: the checkpoint is written, the run
+    stops with exit 2 listing the names it logs. NeMo-RL's `val:accuracy` is the mean validation reward."""
+    _, reward = servers
+    run_dir = tmp_path / "run"
+    cmd = actor_command("grpo", run_dir, *TWO_STEPS, "ppo.max_num_steps=1", "ppo.val_at_end=true",
+                        "ppo.max_val_samples=4", "ppo.val_batch_size=4", "checkpointing.keep_top_k=1",
+                        "checkpointing.metric_name=val/reward", f"reward.address={reward.address}")
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "checkpointing.metric_name=val/reward is none of the metrics this run logs" in done.stderr
+    assert "val/rewards" in done.stderr and (run_dir / "checkpoints" / "step_1" / "checkpoint.json").exists()
+    state = json.loads((run_dir / "checkpoints" / "step_1" / checkpoints.STATE_FILE).read_text())
+    assert state["metric"] is None and state["config"]["checkpointing"]["metric_name"] == "val/reward"
 
 
 def test_a_diverging_update_stops_the_run_with_an_error_saying_so(servers, tmp_path):

@@ -437,10 +437,17 @@ def test_no_rest_request_gets_a_server_error(reward, critic):
                     assert status == 200, (route, status)
                 head = http.head(route)
                 assert head.status_code == 200 and head.content == b"", route  # as GET, without the body
+                # a trailing slash names no route: 404, not a redirect built from the caller's Host header
+                slashed = http.get(route + "/", headers={"host": "elsewhere.example"})
+                counts[(f"rest GET {route}/", str(slashed.status_code))] += 1
+                assert slashed.status_code == 404 and "location" not in slashed.headers, (route, slashed.headers)
                 for method in ("POST", "PUT", "DELETE", "PATCH"):
                     status = http.request(method, route, content=random_bytes(rng)).status_code
                     counts[(f"rest {method} {route}", str(status))] += 1
                     assert status == 405, (method, route, status)
+            zipped = http.get("/metrics", headers={"accept-encoding": "gzip"})  # httpx decodes it
+            assert zipped.headers["content-encoding"] == "gzip" and "# TYPE" in zipped.text
+            assert "process_resident_memory_bytes" in zipped.text and "process_start_time_seconds" in zipped.text
             # Accept headers that prometheus-client's format negotiation cannot parse get the text format
             for accept in ("text/plain;version=xyz", "application/openmetrics-text;version=abc",
                            "application/openmetrics-text;version=1.0.0;escaping=\x7f", ";;,,", "text/plain;version="):

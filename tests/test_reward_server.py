@@ -269,8 +269,33 @@ def test_get_reward_scores_openrlhf_s_padded_queries_as_the_unpadded_ones(server
     after_eos = [pad * 2 + plain[0] + eos + pad * 10, plain[1] + eos * 3, plain[2] + eos + pad]
     assert openrlhf_rewards(f"{server.http}/get_reward", after_eos, prompts,
                             [])["rewards"] == pytest.approx(with_eos, abs=1e-6)
+    # a tokenizer that decodes word by word puts spaces between the special tokens (this one does)
+    spaced = [f"{pad} {pad} {plain[0]} {eos} {pad} {pad}", f"{plain[1]} {eos} {eos}", f"{plain[2]} {eos}\n{pad}"]
+    assert openrlhf_rewards(f"{server.http}/get_reward", spaced, [f"{pad} {pad} {prompts[0]}", *prompts[1:]],
+                            [])["rewards"] == pytest.approx(with_eos, abs=1e-6)
     assert openrlhf_rewards(f"{server.http}/get_reward", [], [], []) == {"rewards": [], "scores": [],
                                                                           "extra_logs": {}}
+
+
+def test_special_token_runs_of_any_length_are_stripped_in_one_pass():
+    """A regular expression of repeated alternatives backtracked on a run of pads that something else followed: one
+    200 KB query held the event loop for 10 s, and the time grew with the square of the run. Now each end is read
+    once: 400,000 marks (2 MB, hours before) take milliseconds; the bound leaves a hundredfold margin."""
+    from types import SimpleNamespace
+
+    from reward_server.rest import unpadded
+    from reward_server.special_text import COMMON_END_MARKS, special_marks, without_end_marks
+
+    strip = unpadded(SimpleNamespace(pad_token="<pad>", eos_token="<eos>"))
+    runs = 400_000
+    for text, want in (("x" + "<pad>" * runs + "y", None), ("<pad>" * runs + "x" + "<eos> " * runs, "x<eos>"),
+                       ("x" + "<pad> " * runs + "<eos>", None), ("x<" * runs + "<eos>", None)):
+        start = time.perf_counter()
+        assert strip(text) == (text if want is None else want)
+        assert time.perf_counter() - start < 2.0
+    marks = special_marks(("<pad>", "<eos>", *COMMON_END_MARKS))
+    assert without_end_marks("#### 42<|im_end|>", marks) == "#### 42"
+    assert without_end_marks("42 <eos> <pad>\n", marks) == "42" and without_end_marks("4<eos>2", marks) == "4<eos>2"
 
 
 def test_long_texts_truncate_scores_the_first_max_length_tokens_as_openrlhf_s_server(embedded_cache, log_dir,
@@ -783,6 +808,9 @@ def test_exact_match_compares_a_label_that_is_no_string_as_its_json_text(exact_s
         (" 42", 42, 1.0), (" 41", 42, 0.0), ("42.0", 42, 0.0), (" 1.5 ", 1.5, 1.0), (" true", True, 1.0),
         (" null", None, 1.0), (" ", None, 0.0), (" [1, 2]", [1, 2], 1.0), (' {"x": "é"}', {"x": "é"}, 1.0),
         (" 42", "42", 1.0),
+        # OpenRLHF decodes with the special tokens kept: the policy's EOS (and end-of-turn) text ends the query
+        (" 42<eos>", 42, 1.0), (" 42</s>", 42, 1.0), (" 42<|im_end|><|endoftext|>", 42, 1.0), (" 42 <eos> <pad>", 42, 1.0),
+        (" 42<eos>7", 427, 0.0),
     ]
     out = openrlhf_rewards(f"{exact_server.http}/get_reward", [prompt + r for r, _, _ in cases],
                            [prompt] * len(cases), [label for _, label, _ in cases])
@@ -829,7 +857,10 @@ def test_a_math_answer_server_scores_gsm8k_style_answers_over_openrlhf_s_protoco
     """Labels as a dataset gives them (a number, or GSM8K's worked answer ending in '#### N')."""
     prompt = "Q: Natalia sold clips to 48 friends in April, and half as many in May. How many in all? A:"
     cases = [(" 48 + 24 = 72. #### 72", "Natalia sold 48/2 = 24 clips in May. #### 72", 1.0),
-             (" The total is \\boxed{72}.", 72, 1.0), (" It is 70, no, 71", 72, 0.0), (" 72.0", "72", 1.0)]
+             (" The total is \\boxed{72}.", 72, 1.0), (" It is 70, no, 71", 72, 0.0), (" 72.0", "72", 1.0),
+             (" 48 + 24 = 72. #### 72<|im_end|>", 72, 1.0), (" 48 + 24 = 72. #### 72</s>", "#### 72", 1.0),
+             # labels a regular expression once took seconds over, holding the server: answered at once
+             (" #### 1", "1 " + "a" * 40_000 + "!", 0.0), (" #### 1", "\\text{" * 16_000 + "1" + "}" * 16_000, 0.0)]
     with ServiceProcess("reward", "--scorer", "math_answer", log_dir=log_dir,
                         env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
         # every method's series is there from the start, at 0, so an alert can tell idle from unscraped
@@ -962,11 +993,13 @@ def test_reflection_answers_under_v1_and_v1alpha(server, version):
     from google.protobuf import descriptor_pb2
     from grpc_reflection.v1alpha import reflection_pb2
 
+    def rpc_of(ch, version):
+        return ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+
     with grpc.insecure_channel(server.address) as ch:
-        rpc = ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                               request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                               response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
-        answers = list(rpc(iter([
+        answers = list(rpc_of(ch, version)(iter([
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(file_containing_symbol="ppo_services.v1.RewardService"),
             # `grpcurl describe ppo_services.v1.RewardService.Score` asks for a method (grpcio-reflection alone
@@ -983,6 +1016,16 @@ def test_reflection_answers_under_v1_and_v1alpha(server, version):
     names = {s.name for s in answers[0].list_services_response.service}
     assert {"ppo_services.v1.RewardService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
+    # as `grpcurl describe` walks the list: every service listed can be described (v1's own file included)
+    with grpc.insecure_channel(server.address) as ch:
+        described = list(rpc_of(ch, version)(iter(
+            [reflection_pb2.ServerReflectionRequest(file_containing_symbol=name) for name in sorted(names)]),
+            timeout=10))
+    for name, answer in zip(sorted(names), described, strict=True):
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in answer.file_descriptor_response.file_descriptor_proto]
+        package, _, service = name.rpartition(".")
+        assert any(f.package == package and service in [s.name for s in f.service] for f in files), name
     files = [descriptor_pb2.FileDescriptorProto.FromString(b)
              for b in answers[1].file_descriptor_response.file_descriptor_proto]
     (reward,) = [f for f in files if f.name == "ppo_services/v1/reward.proto"]
