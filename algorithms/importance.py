@@ -20,7 +20,7 @@ def truncated_importance_weights(
     kind: ImportanceKind,
     low: float,
     high: float,
-) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token importance weights ``w = exp(old_logprobs - generation_logprobs)``, truncated.
 
     - ``"tis"``: ``clamp(w, low, high)``; the mask is unchanged.
@@ -31,7 +31,8 @@ def truncated_importance_weights(
       as NeMo-RL's and OpenRLHF's do.
 
     Tokens whose weight is zeroed (``icepop``, or a dropped row) still count in the loss's token divisor, as in
-    NeMo-RL, so the mask passed to :func:`algorithms.losses.policy_loss` stays the caller's.
+    NeMo-RL, so the mask passed to :func:`algorithms.losses.policy_loss` stays the caller's. A weight that is not a
+    finite number (a ratio of two -inf log-probs, or one that overflows) is 0, as NeMo-RL sets it.
 
     Pass the result to :func:`algorithms.losses.policy_loss` as ``importance_weights``.
 
@@ -72,11 +73,14 @@ def truncated_importance_weights(
         elif kind == "icepop":
             weights, truncated = torch.where(outside, zero, raw), outside
         else:  # seq-mask-tis
-            seq_weight = torch.exp(masked_mean(log_w, valid, dim=-1))
+            # a log ratio that is no finite number counts as 0 in its row's mean, as NeMo-RL counts it
+            seq_weight = torch.exp(masked_mean(torch.nan_to_num(log_w, nan=0.0, posinf=0.0, neginf=0.0), valid, dim=-1))
             dropped = valid.any(dim=-1) & ((seq_weight < low) | (seq_weight > high))
             truncated = valid & dropped.unsqueeze(-1)
             weights = torch.where(truncated, zero, raw)
-        weights = torch.where(valid, weights, zero)
+        # a weight that is no finite number (overflowed, or from log-probs that are not) trains nothing, as in
+        # NeMo-RL's loss, instead of making the step's loss NaN or infinite
+        weights = torch.where(valid & torch.isfinite(weights), weights, zero)
         weight_min, weight_max = masked_min_max(raw, valid)
         metrics = {
             "is_weight_mean": masked_mean(raw, valid),

@@ -284,6 +284,21 @@ def test_truncated_importance_weights_rejects_bad_arguments() -> None:
         truncated_importance_weights(old, gen, mask, "tis", 2.0, 0.5)
 
 
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_an_importance_weight_that_is_no_finite_number_is_zero(kind) -> None:
+    """As NeMo-RL's loss sets them: a token both log-probs put at -inf, and (seq-mask-tis, which keeps a row's
+    untruncated weights) one whose ratio overflows float32 in a row whose mean is in range."""
+    inf = float("inf")
+    old = torch.tensor([[-inf, 0.0, -0.1], [100.0] + [-0.1] * 2])
+    gen = torch.tensor([[-inf, 0.0, 0.0], [0.0] * 3])
+    weights, _ = truncated_importance_weights(old, gen, torch.ones(2, 3), kind, 0.0, 1e30)
+    assert torch.isfinite(weights).all() and weights[0, 0] == 0 and weights[0, 1] == 1
+    if kind == "seq-mask-tis":
+        assert weights[1, 0] == 0 and torch.allclose(weights[1, 1:], torch.exp(torch.tensor(-0.1)))
+    zeros, ones = torch.zeros(2, 3), torch.ones(2, 3)
+    assert torch.isfinite(policy_loss(zeros, zeros, ones, ones, importance_weights=weights)[0])
+
+
 # ---------------------------------------------------------------------------------- NaN-safe value loss
 
 # the example of test_algorithms.py: clipped loss 0.5 * (0.64 + 0.25 + 0.81) / 3 = 0.5 * 1.7 / 3,
