@@ -8,7 +8,7 @@ NeMo-Aligner's names to these. Contradictory settings fail at start-up naming bo
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -90,7 +90,8 @@ class GenerationConfig(StrictModel):
 class OptimizerKwargs(StrictModel):
     lr: float = Field(9e-7, gt=0, allow_inf_nan=False, description="Learning rate (NeMo-Aligner's actor default).")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="Adam betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
 
 
@@ -269,7 +270,7 @@ class PPOConfig(StrictModel):
     max_num_steps: int = Field(20, ge=1, description="Steps to run.")
     max_num_epochs: int = Field(1_000_000, ge=1, description="Stop after this many passes over the training prompts.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
-    seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
+    seed: int = Field(42, ge=0, lt=2**63, description="Seed for data order, sampling and initialisation.")
     val_period: int = Field(0, ge=0, description="Validate every N steps; 0 disables periodic validation.")
     val_at_start: bool = Field(False, description="Validate before the first step (step 0).")
     val_at_end: bool = Field(False, description="Validate after the last step.")
@@ -373,6 +374,14 @@ class CheckpointingConfig(StrictModel):
     higher_is_better: bool = Field(True, description="Whether a larger metric_name is better.")
     checkpoint_must_save_by: str | None = Field(
         None, description="Run time after which the actor checkpoints and stops (exit 0), as HH:MM:SS or DD:HH:MM:SS, e.g. a job's time limit minus a margin; null disables.")
+
+    @field_validator("checkpoint_must_save_by", mode="before")
+    @classmethod
+    def _quoted_time(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads 1:30:00 as 5400
+            raise ValueError(f"expected HH:MM:SS or DD:HH:MM:SS as a string, got the number {value}: YAML reads an "  # noqa: TRY004 - pydantic reports ValueError
+                             f"unquoted 1:30:00 as a base-60 number; quote it ('1:30:00') or write 01:30:00")
+        return value
 
     @field_validator("metric_name")
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,13 +63,7 @@ class PromptFormat:
         """The format of the data config's keys, reading and checking their files."""
         template = _read_text(prompt_file, "data.prompt_file") if prompt_file is not None else None
         if template is not None:
-            try:
-                filled = template.format("\0")
-            except (IndexError, KeyError, ValueError) as e:
-                raise DataError(f"{prompt_file} (data.prompt_file): not a template with one {{}} where the prompt goes "
-                                f"(other braces doubled): {type(e).__name__}: {e}") from None
-            if "\0" not in filled:
-                raise DataError(f"{prompt_file} (data.prompt_file): the template has no {{}} where the prompt goes")
+            _check_template(template, f"{prompt_file} (data.prompt_file)")
         system = _read_text(system_prompt_file, "data.system_prompt_file") if system_prompt_file is not None else None
         return cls(template, chat, system)
 
@@ -139,6 +134,27 @@ def existing_prompt_file(spec: str, key: str) -> Path:
         raise DataError(f"{key}: {e}") from None
 
 
+def _check_template(template: str, where: str) -> None:
+    """A prompt template holds one plain {} (or {0}) where the prompt goes, other braces doubled: a field with an
+    index, attribute, conversion or format spec ({0[0]}, {0.x}, {!r}, {:.4}) would put a part of the prompt there, or
+    something else, and a second field a second copy."""
+    try:
+        fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as e:
+        raise DataError(f"{where}: not a template with one {{}} where the prompt goes (other braces doubled): "
+                        f"{e}") from None
+    if not fields:
+        raise DataError(f"{where}: the template has no {{}} where the prompt goes")
+    if len(fields) > 1:
+        raise DataError(f"{where}: not a template with one {{}} where the prompt goes (other braces doubled): it has "
+                        f"{len(fields)} fields")
+    name, spec, conversion = fields[0]
+    if name not in ("", "0") or spec or conversion:
+        field = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        raise DataError(f"{where}: the prompt goes in whole at a plain {{}}, got {field}")
+
+
 def _jsonl_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for every non-blank line of a JSONL file."""
     for lineno, raw in enumerate(data.splitlines(), 1):
@@ -150,9 +166,19 @@ def _jsonl_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
         if not line.strip():
             continue
         try:
-            yield lineno, json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{lineno}: {_unreadable_json(e)}") from None
+        yield lineno, record
+
+
+def _unreadable_json(e: ValueError | RecursionError) -> str:
+    """Valid JSON that Python's parser will not read: an integer of more than 4300 digits, or nesting too deep."""
+    if isinstance(e, RecursionError):
+        return "JSON nested too deeply to read"
+    return f"JSON this reader cannot take: {e}"
 
 
 def _json_array_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
@@ -181,6 +207,8 @@ def _json_array_records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
                 obj, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+            except (ValueError, RecursionError) as e:
+                raise DataError(f"{path}:{line_at(pos)}: {_unreadable_json(e)}") from None
             yield line_at(pos), obj
             pos = ws.match(text, end).end()
             if text.startswith(",", pos):

@@ -35,7 +35,19 @@ def type_text(ann) -> str:
         return " or ".join(type_text(a) for a in typing.get_args(ann))
     if ann is type(None):
         return "`None`"
-    return f"`{getattr(ann, '__name__', str(ann)).replace('typing.', '')}`" if typing.get_origin(ann) is None else f"`{ann}`".replace("typing.", "")
+    return f"`{plain(ann)}`"
+
+
+def plain(ann) -> str:
+    """A type as written, without the constraints Annotated attaches (the description states them)."""
+    origin = typing.get_origin(ann)
+    if origin is typing.Annotated:
+        return plain(typing.get_args(ann)[0])
+    if origin is None:
+        return getattr(ann, "__name__", str(ann)).replace("typing.", "")
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(plain(a) for a in typing.get_args(ann))
+    return f"{getattr(origin, '__name__', str(origin))}[{', '.join(plain(a) for a in typing.get_args(ann))}]"
 
 
 def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -62,7 +74,9 @@ def render() -> str:
              "Generated from the config models by `python scripts/gen_config_docs.py`; do not edit by hand.",
              "Every service reads an optional YAML file (`--config FILE`) and dotted command-line overrides",
              "(`ppo.adv_estimator.gae_gamma=0.99`, `policy.generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys.",
-             "Unknown keys and bad values stop the service at start-up with a message naming the key.", ""]
+             "Unknown keys and bad values stop the service at start-up with a message naming the key. A number must be "
+             "finite\n(`inf` and `nan` are refused) and `true`/`false` are no numbers; a value that is not valid YAML "
+             "(one starting with\n`@`, `%` or `*`, an unclosed `[`) must be quoted: `data.prompt_key='\"@x\"'`.", ""]
     for name, usage, model in SERVICES:
         parts += [f"## `{name}`", "", f"`{usage}`", "", "| key | type | default | meaning |", "|---|---|---|---|",
                   *rows(model), ""]

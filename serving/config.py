@@ -6,22 +6,48 @@ A bad key or value fails with a message that names the key and what is allowed.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import tempfile
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_args
+from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
 
 Cfg = TypeVar("Cfg", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
-    """Base of every config section: unknown keys are errors, defaults are validated too."""
+    """Base of every config section: unknown keys are errors, defaults are validated too, a number must be finite,
+    and `true`/`false` are no numbers (pydantic's lax mode read `lr: true` as a learning rate of 1)."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            field = cls.model_fields.get(name) if isinstance(name, str) else None
+            if field is None or not _numbers_only(field.annotation):
+                continue
+            values = value if isinstance(value, list | tuple) else [value]
+            if any(isinstance(v, bool) for v in values):
+                raise ValueError(f"{name}: expected a number, got {json.dumps(value)} (true and false are no numbers)")
+        return data
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field takes numbers and nothing else (an int or float, optional, or a tuple or list of them)."""
+    if get_origin(annotation) is Annotated:
+        return _numbers_only(get_args(annotation)[0])
+    kinds = [a for a in (get_args(annotation) or (annotation,)) if a is not type(None) and a is not Ellipsis]
+    if get_origin(annotation) in (tuple, list):
+        return all(_numbers_only(a) for a in kinds)
+    return bool(kinds) and all(a in (int, float) or (get_origin(a) is Annotated and _numbers_only(a)) for a in kinds)
 
 
 class ConfigError(ValueError):
@@ -55,7 +81,11 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                          f"quote a string that starts with one of YAML's indicators, as in {key}='\"{raw}\"'") from None
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -79,7 +109,10 @@ def format_validation_error(model: type[BaseModel], err: ValidationError, source
             lines.append(f"  {key}: unknown key; allowed keys here: {', '.join(_allowed_keys(model, e['loc']))}")
         elif e["type"] == "value_error":  # a validator's own message names the keys; the input may be a whole section
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  {key + ': ' if key and not msg.startswith(key) else ''}{msg}")
+            if key and re.match(r"\w+: ", msg):  # a section's validator naming one of its keys
+                lines.append(f"  {key}.{msg}")
+            else:
+                lines.append(f"  {key + ': ' if key and not msg.startswith(key) else ''}{msg}")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
@@ -112,9 +145,13 @@ def load_config(model: type[Cfg], path: str | Path | None = None, overrides: lis
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})"
+                              ) from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+        data = {} if data is None else data  # an empty file
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
         source = str(path)

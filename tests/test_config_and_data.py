@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -107,9 +108,12 @@ def tokenizer(embedded_assets):
         ('{"prompt": "river =>", "label": 3}\n{"prompt": "city =>", "label": NaN}\n', [":2:", "NaN or Infinity",
                                                                                       "data.label_key"]),
         ('{"prompt": "river =>"}\n["river =>"]\n', [":2:", "got list"]),
+        # valid JSON Python's parser refuses: an integer past 4300 digits, nesting past the recursion limit
+        ('{"prompt": "river =>"}\n{"prompt": "city =>", "label": ' + "9" * 5000 + "}\n", [":2:", "4300 digits"]),
+        ('{"prompt": "river =>", "label": ' + "[" * 100_000 + "]" * 100_000 + "}\n", [":1:", "nested too deeply"]),
     ],
     ids=["bad-json", "missing-key", "too-long", "empty", "lone-surrogate", "latin-1", "blank-prompt", "control-char",
-         "nan-label", "not-an-object"],
+         "nan-label", "not-an-object", "huge-integer", "deep-nesting"],
 )
 def test_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, words):
     assert_refused(tmp_path / "prompts.jsonl", content, tokenizer, words)
@@ -146,8 +150,9 @@ def test_a_json_array_prompt_file_loads_as_its_jsonl_twin_with_each_object_s_lin
         ('[{"prompt": "river =>"},]', [":1:", "not valid JSON"]),
         ("[]", ["no prompts"]),
         ('[\n{"prompt": "river =>"},\n{"prompt": "caf\xe9"}]'.encode("latin-1"), [":3:", "not UTF-8", "0xe9"]),
+        ('[\n{"prompt": "river =>"},\n{"prompt": "city =>", "label": ' + "9" * 5000 + "}]", [":3:", "4300 digits"]),
     ],
-    ids=["bad-json", "missing-key", "no-comma", "two-arrays", "trailing-comma", "empty", "latin-1"],
+    ids=["bad-json", "missing-key", "no-comma", "two-arrays", "trailing-comma", "empty", "latin-1", "huge-integer"],
 )
 def test_json_array_prompt_file_errors_name_file_and_line(tmp_path, tokenizer, content, words):
     assert_refused(tmp_path / "prompts.json", content, tokenizer, words)
@@ -309,7 +314,9 @@ def test_chat_prompts_without_a_chat_template_and_bad_prompt_files_are_refused(t
         load_prompts(path, "prompt", tokenizer, 64, fmt=PromptFormat(chat=True))
     assert f"{path}:1:" in str(err.value) and "has none" in str(err.value)
     assert "data.apply_chat_template=false" in str(err.value)
-    for text, words in (("no slot", "has no {}"), ("{} and {}", "IndexError"), ("\\boxed{} {}", "other braces doubled")):
+    for text, words in (("no slot", "has no {}"), ("{} and {}", "2 fields"), ("\\boxed{} {}", "other braces doubled"),
+                        ("{0} and {0}", "2 fields"), ("{0[0]} =>", "got {0[0]}"), ("{:.4} =>", "got {:.4}"),
+                        ("{0.attr}", "got {0.attr}"), ("{!r}", "got {!r}"), ("{name}", "got {name}")):
         (tmp_path / "t.txt").write_text(text)
         with pytest.raises(DataError) as err:
             PromptFormat.from_files(str(tmp_path / "t.txt"), False, None)
@@ -343,6 +350,17 @@ def test_labels_travel_with_prompts_and_missing_ones_name_the_line(tmp_path, tok
     assert f"{path}:3" in str(err.value) and "'answer'" in str(err.value) and "data.label_key" in str(err.value)
 
 
+def test_a_config_file_that_is_no_utf_8_or_no_mapping_is_refused_naming_it(tmp_path):
+    for content, words in ((b"run_dir: caf\xe9\n", "not UTF-8 text (byte 12"), (b"false\n", "expected a mapping"),
+                           (b"[]\n", "expected a mapping")):
+        (tmp_path / "c.yaml").write_bytes(content)
+        with pytest.raises(ConfigError, match=re.escape(words)) as err:
+            load_config(ActorConfig, tmp_path / "c.yaml")
+        assert str(tmp_path / "c.yaml") in str(err.value)
+    (tmp_path / "c.yaml").write_bytes(b"")
+    assert load_config(ActorConfig, tmp_path / "c.yaml") == ActorConfig()
+
+
 @pytest.mark.parametrize(
     "overrides, keys",
     [
@@ -372,6 +390,17 @@ def test_labels_travel_with_prompts_and_missing_ones_name_the_line(tmp_path, tok
           "ppo.reward_shaping.overlong_buffer_penalty=1", "policy.generation.max_new_tokens=16"],
          ["ppo.reward_shaping.overlong_buffer_length (100)", "policy.generation.max_new_tokens"]),
         (["ppo.batch_multiplier=3"], ["ppo.batch_multiplier (3.0)", "ppo.use_dynamic_sampling=true"]),
+        # values that are no numbers, or numbers out of every range, named before anything runs
+        (["policy.optimizer.kwargs.lr=true"], ["policy.optimizer.kwargs.lr: expected a number, got true"]),
+        (["ppo.max_num_steps=false"], ["ppo.max_num_steps: expected a number, got false"]),
+        (["policy.optimizer.kwargs.betas=[true, 0.9]"], ["policy.optimizer.kwargs.betas: expected a number"]),
+        (["policy.optimizer.kwargs.eps=inf"], ["policy.optimizer.kwargs.eps", "finite"]),
+        (["ppo.reward_scaling.source_min=nan"], ["ppo.reward_scaling.source_min", "finite"]),
+        (["policy.optimizer.kwargs.betas=[1.5, 0.9]"], ["policy.optimizer.kwargs.betas.0", "less than 1"]),
+        (["ppo.seed=99999999999999999999999"], ["ppo.seed", "less than"]),
+        (["checkpointing.checkpoint_must_save_by=1:30:00"], ["checkpointing.checkpoint_must_save_by", "5400",
+                                                             "quote it"]),
+        (["data.prompt_key=@x"], ["data.prompt_key=@x", "not valid YAML", "quote"]),
         # NeMo-RL's reward shaping: nothing unless enabled, one penalty at a time, DAPO's with both of its keys
         (["ppo.reward_shaping.stop_properly_penalty_coef=0"],
          ["ppo.reward_shaping.stop_properly_penalty_coef (0.0)", "ppo.reward_shaping.enabled=true"]),
