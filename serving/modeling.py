@@ -116,7 +116,14 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
         return cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
                                    key_mapping=_HEAD_ALIASES, **remote)
 
-    model, info = load(scalar_head_class(config, trust_remote_code))
+    try:
+        model, info = load(scalar_head_class(config, trust_remote_code))
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        raise ValueError(f"{path}: its head has another shape than one output (a critic and a reward model score with "
+                         f"one; the checkpoint's config has num_labels={AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).num_labels}): "
+                         f"{str(e).splitlines()[0]}") from None
     # transformers reverses a load's key mapping when the model is saved: the critic's checkpoints keep `score`
     if getattr(model, "_weight_conversions", None):
         model._weight_conversions = [c for c in model._weight_conversions
@@ -241,8 +248,12 @@ def _generic_scalar_head(base: type[PreTrainedModel]) -> type:
         self.score = torch.nn.Linear(config.get_text_config().hidden_size, self.num_labels, bias=False)
         self.post_init()
 
+    # custom code as far as its body is: transformers skips its own weight initialisation in a model it takes for
+    # custom code (wherever the class is not defined in transformers), which left Falcon-H1's non-persistent mup_vector
+    # buffers as uninitialised memory, and the values garbage
     return type(name, (GenericForSequenceClassification, family),
-                {"base_model_prefix": prefix, "__init__": __init__, "__module__": __name__})
+                {"base_model_prefix": prefix, "__init__": __init__, "__module__": __name__,
+                 "is_custom_code": classmethod(lambda cls: base.is_custom_code())})
 
 
 def copy_remote_code(config: PretrainedConfig, source: str, target: Path) -> None:

@@ -130,3 +130,42 @@ def test_log_probs_and_critic_values_over_length_buckets_equal_each_row_alone(mo
             torch.testing.assert_close(values[i, :n], per_token_scores(critic, row, torch.tensor([n]))[0],
                                        atol=1e-5, rtol=0)
             assert (values[i, n:] == 0).all()
+
+
+# families transformers has no sequence-classification class for: the critic puts its scalar head on the base model
+NO_CLASSIFICATION_CLASS = {
+    "granite": {},
+    # attention and Mamba side by side; its layers hold non-persistent buffers (mup_vector) that only its own weight
+    # initialisation fills, which transformers skipped for a class it took for custom code: garbage or NaN values
+    "falcon_h1": {"head_dim": 8, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8,
+                  "mamba_chunk_size": 16},
+}
+
+
+@pytest.mark.parametrize("model_type", NO_CLASSIFICATION_CLASS)
+def test_a_critic_of_a_family_without_a_classification_class_holds_the_causal_lm_s_own_body(model_type, tmp_path):
+    """Every parameter and buffer of the body, as transformers loads the causal LM; finite values."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **NO_CLASSIFICATION_CLASS[model_type]})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    lm, critic = AutoModelForCausalLM.from_pretrained(tmp_path), load_scalar_head_model(str(tmp_path)).eval()
+    body = {**dict(lm.named_buffers()), **dict(lm.named_parameters())}
+    held = {**dict(critic.named_buffers()), **dict(critic.named_parameters())}
+    assert set(body) - set(held) == {"lm_head.weight"}
+    for name in set(body) & set(held):
+        assert torch.equal(held[name], body[name]), name
+    tokens, lengths = ragged()
+    with torch.no_grad():
+        assert torch.isfinite(per_token_scores(critic, tokens, lengths)).all()
+
+
+def test_a_classifier_with_more_than_one_output_is_refused_naming_its_labels(tmp_path):
+    """transformers' own error for the head's shape asked for ignore_mismatched_sizes; a critic or reward model
+    scores with one output, and the refusal says so."""
+    from transformers import LlamaForSequenceClassification
+
+    config = AutoConfig.for_model("llama", **COMMON, num_labels=2)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    for trained_head in (True, False):
+        with pytest.raises(ValueError, match="its head has another shape than one output .* num_labels=2"):
+            load_scalar_head_model(str(tmp_path), trained_head=trained_head)
