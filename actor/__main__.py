@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from serving.startup import stop_at_once_until_serving
+
+stop_at_once_until_serving("actor", "training began; the same command starts it again")  # first: imports take seconds
+
+import errno
 import logging
+import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from serving.config import parse_cli
 from serving.startup import imports_without_gc
@@ -28,6 +35,13 @@ def _quiet_about_a_full_disk(args: threading.ExceptHookArgs) -> None:
     if isinstance(args.exc_value, OSError) and args.exc_value.errno in DISK_FULL:
         return
     threading.__excepthook__(args)
+
+
+def _under(path: object, directory: str) -> bool:
+    """Whether `path` (an OSError's filename) lies in `directory`."""
+    if not isinstance(path, str | bytes | os.PathLike):
+        return False
+    return Path(os.fsdecode(path)).resolve().is_relative_to(Path(directory).resolve())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         from .environments import BadEnvironment
         from .models import ModelSetupError
         from .rollouts import DynamicSamplingError, PolicyDiverged
-        from .trainer import PPOTrainer, StopNow
+        from .trainer import PPOTrainer
 
     transformers.utils.logging.disable_progress_bar()
     retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)
@@ -74,18 +88,17 @@ def main(argv: list[str] | None = None) -> int:
             RolloutWorkerError, PolicyDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except StopNow as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
     except UnknownMetric as e:  # a config error found at the first checkpoint: the checkpoint is written
         print(f"error: {e}; the run stopped after its checkpoint, and resumes from it with the name corrected",
               file=sys.stderr)
         return 2
     except OSError as e:
-        if e.errno not in DISK_FULL:
+        refused = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and _under(e.filename, cfg.run_dir)
+        if e.errno not in DISK_FULL and not refused:
             raise
-        print(f"error: cannot write the run's files under {cfg.run_dir}: {e}; make room there and start the same "
-              f"command again: it resumes from the latest complete checkpoint", file=sys.stderr)
+        print(f"error: cannot write the run's files under {cfg.run_dir}: {e}; "
+              f"{'make it writable' if refused else 'make room there'} and start the same command again: it resumes "
+              f"from the latest complete checkpoint", file=sys.stderr)
         return 1
     finally:
         trainer.close()

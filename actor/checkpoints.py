@@ -8,11 +8,13 @@ step_N with a trainer_state.json is complete; tmp_step_* left by a crash are rem
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -118,6 +120,16 @@ def resume_point(cfg: CheckpointingConfig, root: Path) -> Path | None:
         raise ResumeError(f"checkpointing.resume: {path} is no actor checkpoint (no {STATE_FILE}); expected auto, "
                           f"never, step_N (one of {root}) or the path of a step_N checkpoint directory")
     return path
+
+
+@contextlib.contextmanager
+def naming_the_checkpoint(directory: Path, what: str) -> Iterator[None]:
+    """Reading `what` of checkpoint `directory` for a resume: any failure (a file cut short, not JSON, not a
+    tokenizer's) is a ResumeError naming the checkpoint and the ways on."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - tokenizers' parse errors are plain Exceptions
+        raise ResumeError(f"{directory}: {what} cannot be loaded ({type(e).__name__}: {e}){OTHER_CHOICES}") from None
 
 
 OTHER_CHOICES = ("; resume from an earlier checkpoint (checkpointing.resume=<run_dir>/checkpoints/step_N) or start "

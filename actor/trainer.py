@@ -6,12 +6,15 @@ KL controller -> metrics and checkpoints. Every algorithmic choice was made once
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import signal
+import sys
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
@@ -77,15 +80,6 @@ from .tracking import MetricsTracker, Timers, step_breakdown
 log = logging.getLogger(__name__)
 
 
-class StopNow(BaseException):
-    """A second SIGTERM or SIGINT: the run stops where it is (a BaseException, so no handler on the way keeps it).
-    `exit_code`: 128 + the signal's number, as a shell reports a process the signal ended."""
-
-    def __init__(self, exit_code: int, message: str):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 # failures that end a run after its last finished step is checkpointed, as the log names them
 RUN_ENDING_FAILURES = {CriticShared: "the critic is trained by another client too",
                        NotFinite: "a server returned rewards or values that are not numbers",
@@ -135,7 +129,8 @@ class PPOTrainer:
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
         policy_path = (str(self.resume_from / "actor") if self.resume_from
                        else resolve_model(pol.model_name, key="policy.model_name"))
-        with naming_the_model("policy.model_name", pol.model_name) if not self.resume_from else nullcontext():
+        with naming_the_model("policy.model_name", pol.model_name) if not self.resume_from else \
+                checkpoints.naming_the_checkpoint(self.resume_from, "its tokenizer"):
             self.tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=pol.trust_remote_code)
         # frozen layers, LoRA adapters, the reference's placement: actor/models.py
         self.models = load_models(pol, self.resume_from, self.device, dtype,
@@ -683,11 +678,18 @@ class PPOTrainer:
     def _request_stop(self, signum, frame) -> None:
         """The first SIGTERM (or SIGINT): finish the step, checkpoint, exit 0; /ready answers 503 from now on, and
         a server outage met while stopping is waited out for at most clients.DRAIN_OUTAGE_S. A second one: stop at
-        once (StopNow), keeping the latest complete checkpoint."""
+        once, exit 128 + the signal's number, keeping the latest complete checkpoint (each is written whole, then
+        renamed, and the run directory's lock goes with the process). It ends the process from the handler: an
+        exception raised into whatever the main thread was doing (once, the middle of a gRPC call's set-up) left
+        the channels' close waiting forever, the process and its lock with it."""
         name = signal.Signals(signum).name
         if self.stop_requested:
-            raise StopNow(128 + signum, f"stopped at once by a second {name}; a restart resumes from the latest "
-                                        f"complete checkpoint in {self.run_dir / 'checkpoints'}")
+            for stream in (sys.stdout, sys.stderr):  # what the run printed so far, unless it is printing right now
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os.write(2, f"error: stopped at once by a second {name}; a restart resumes from the latest complete "
+                        f"checkpoint in {self.run_dir / 'checkpoints'}\n".encode())  # no print: it may be mid-write
+            os._exit(128 + signum)
         self.stop_requested, self.stop_signal, self.ready = True, name, False
         draining.set()
         log.warning("%s: finishing the step in progress, then checkpointing and stopping (a second %s stops at "

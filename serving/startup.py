@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,13 +31,14 @@ def imports_without_gc() -> Iterator[None]:
             gc.enable()
 
 
-def stop_at_once_until_serving(name: str) -> None:
-    """Until the server's event loop takes the signals over (serving.server.Service.serve), SIGTERM or SIGINT ends the
-    process at once with exit 0: nothing is loaded or owed yet. Without this a signal in the seconds of imports killed
-    it (exit -15), or printed a KeyboardInterrupt traceback."""
+def stop_at_once_until_serving(name: str, until: str = "it began serving") -> None:
+    """Until the server's event loop takes the signals over (serving.server.Service.serve; the actor's training loop,
+    PPOTrainer.fit), SIGTERM or SIGINT ends the process at once with exit 0: nothing is owed yet (the actor's start
+    writes nothing a restart does not redo). Without this a signal in the seconds of imports, model loading or
+    waiting for servers killed it (exit -15), or printed a KeyboardInterrupt traceback."""
 
     def stop(signum: int, frame) -> None:
-        print(f"{name}: stopped by {signal.Signals(signum).name} before it began serving", file=sys.stderr, flush=True)
+        os.write(2, f"{name}: stopped by {signal.Signals(signum).name} before {until}\n".encode())
         os._exit(0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import resource
 import shutil
@@ -413,6 +414,24 @@ def test_a_run_that_cannot_write_its_files_stops_with_one_line_saying_so(reward,
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert f"error: cannot write the run's files under {tmp_path / 'run'}: [Errno 27] File too large" in run.stderr, \
         run.stderr[-3000:]
+
+
+def test_a_run_whose_checkpoints_cannot_be_written_stops_with_one_line_saying_so(reward, tmp_path):
+    """A checkpoints directory the actor may not write (read-only; as root, under setpriv without the capability
+    that overrides file modes) stopped it with a PermissionError traceback; now one line names run_dir and the way
+    on, as for a full disk."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    checkpoints.chmod(0o555)
+    cmd = actor_command("grpo", tmp_path / "run", f"reward.address={reward.address}", *RUN, "ppo.max_num_steps=1")
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+               "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    checkpoints.chmod(0o755)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"error: cannot write the run's files under {tmp_path / 'run'}: [Errno 13] Permission denied" in run.stderr
+    assert "make it writable and start the same command again" in run.stderr
 
 
 def _actor_with_its_own_servers(log_dir, tmp_path, http_port: int):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from serving.startup import imports_without_gc
-from tests.service_procs import ROOT
+from tests.service_procs import ROOT, actor_command
 
 
 def test_the_collector_is_off_within_and_back_after_with_what_was_made_frozen():
@@ -80,6 +81,26 @@ def test_a_signal_before_a_server_serves_stops_it_at_once_with_exit_zero(module,
     assert "Traceback" not in err
 
 
+def test_a_signal_before_the_actor_trains_stops_it_at_once_with_exit_zero(tmp_path):
+    """The actor's start (imports, the models, waiting for its servers, up to startup_timeout_s) writes nothing a
+    restart does not redo: a signal there stops it at once, exit 0, saying so (before, SIGTERM killed it, -15, and
+    SIGINT printed a KeyboardInterrupt traceback)."""
+    with socket.socket() as s:  # a port nothing listens on: the actor waits for its reward server there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(actor_command("grpo", tmp_path / "run", f"reward.address=127.0.0.1:{port}"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = ""
+    for line in proc.stderr:
+        err += line
+        if "waiting for the reward server" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    err += proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0 and "actor: stopped by SIGINT before training began" in err, err[-2000:]
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("module, key", [("actor", "run_dir"), ("critic_server", "checkpoint_dir")])
 def test_a_directory_the_service_cannot_write_is_refused_at_start_naming_the_key(module, key, tmp_path):
     """Where the actor writes its run, and the critic its checkpoints, is checked before anything loads: a path
@@ -133,7 +154,8 @@ def test_a_second_actor_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_pat
     lock_run_dir(run_dir).close()  # released: the next one takes it
 
 
-@pytest.mark.parametrize("damage", ["weights-truncated", "weights-missing", "config-only-model"])
+@pytest.mark.parametrize("damage", ["weights-truncated", "weights-missing", "config-truncated", "tokenizer-truncated",
+                                    "config-only-model"])
 def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(embedded_assets, tmp_path, damage):
     """A checkpoint damaged on disk (a full disk, a copy gone wrong) stops the resume with the checkpoint named and
     the two ways on; a model directory with a config but no weights is refused naming policy.model_name. Both were
@@ -157,11 +179,14 @@ def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(e
     if damage == "weights-missing":
         weights.unlink()
     else:
-        weights.write_bytes(weights.read_bytes()[:100])
+        cut = {"weights-truncated": weights, "config-truncated": step / "actor" / "config.json",
+               "tokenizer-truncated": step / "actor" / "tokenizer.json"}[damage]
+        cut.write_bytes(cut.read_bytes()[:100])
     done = subprocess.run([sys.executable, "-m", "actor", "--http-port", "0", f"run_dir={tmp_path / 'run'}"],
                           cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert f"error: {step}: its policy cannot be loaded" in done.stderr
+    part = "its policy" if damage.startswith("weights") else "its tokenizer"
+    assert f"error: {step}: {part} cannot be loaded" in done.stderr, done.stderr[-2000:]
     assert "checkpointing.resume=<run_dir>/checkpoints/step_N" in done.stderr and "resume=never" in done.stderr
 
 
