@@ -21,7 +21,7 @@ KLType = Literal["k1", "k2", "k3"]
 class RemoteConfig(StrictModel):
     """A gRPC server the actor talks to."""
 
-    address: str = Field(..., description="host:port of the server.")
+    address: str = Field(..., min_length=1, description="host:port of the server.")
     connect_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start-up for the server to answer and to be ready (its model loaded).")
     timeout_s: float = Field(600.0, gt=0, description="Deadline of each call.")
     max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB.")
@@ -40,7 +40,7 @@ class RemoteConfig(StrictModel):
 
 
 class RewardConfig(RemoteConfig):
-    address: str = Field("127.0.0.1:5556", description="host:port of the reward server (source: server).")
+    address: str = Field("127.0.0.1:5556", min_length=1, description="host:port of the reward server (source: server).")
     source: Literal["server", "critic", "openrlhf"] = Field(
         "server",
         description="server: our reward server over gRPC; critic: the rewards of a combined RM + critic server; "
@@ -62,7 +62,7 @@ class RewardConfig(RemoteConfig):
 
 
 class CriticConfig(RemoteConfig):
-    address: str = Field("127.0.0.1:5555", description="host:port of the critic server (used only by estimators that need values: gae).")
+    address: str = Field("127.0.0.1:5555", min_length=1, description="host:port of the critic server (used only by estimators that need values: gae).")
     ppo_epochs: int = Field(1, ge=1, le=64, description="Critic passes over each step's batch (Train's epochs); ppo.ppo_epochs trains the critic every epoch, as TRL trains its value model.")
 
 

@@ -172,6 +172,10 @@ class PPOTrainer:
         log.info("prompts: %d for training from %s, %d for validation%s; the first as the policy reads it "
                  "(special tokens shown): %r", len(self.train_prompts), d.train_file, len(self.val_prompts),
                  f" from {d.val_file}" if self.val_prompts else "", self.tokenizer.decode(self.train_prompts[0].ids))
+        if len(self.train_prompts) < p.num_prompts_per_step:
+            log.warning("%s holds %d prompts, fewer than ppo.num_prompts_per_step=%d: every step repeats prompts and "
+                        "passes over the file more than once (ppo.max_num_epochs counts those passes)", d.train_file,
+                        len(self.train_prompts), p.num_prompts_per_step)
         self.sampler = PromptSampler(self.train_prompts, p.seed, d.shuffle)
         self.shuffle_gen = torch.Generator().manual_seed(p.seed + 1)
 

@@ -74,9 +74,10 @@ def render() -> str:
              "Generated from the config models by `python scripts/gen_config_docs.py`; do not edit by hand.",
              "Every service reads an optional YAML file (`--config FILE`) and dotted command-line overrides",
              "(`ppo.adv_estimator.gae_gamma=0.99`, `policy.generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys.",
-             "Unknown keys and bad values stop the service at start-up with a message naming the key. A number must be "
-             "finite\n(`inf` and `nan` are refused) and `true`/`false` are no numbers; a value that is not valid YAML "
-             "(one starting with\n`@`, `%` or `*`, an unclosed `[`) must be quoted: `data.prompt_key='\"@x\"'`.", ""]
+             ("Unknown keys and bad values stop the service at start-up with a message naming the key. A number must "
+              "be finite\n(`inf` and `nan` are refused) and `true`/`false` are no numbers; a value that is not valid "
+              "YAML (one starting with\n`@`, `%` or `*`, an unclosed `[`) must be quoted: `data.prompt_key='\"@x\"'`."),
+             ""]
     for name, usage, model in SERVICES:
         parts += [f"## `{name}`", "", f"`{usage}`", "", "| key | type | default | meaning |", "|---|---|---|---|",
                   *rows(model), ""]

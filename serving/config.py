@@ -143,7 +143,7 @@ def load_config(model: type[Cfg], path: str | Path | None = None, overrides: lis
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} {'is a directory' if path.is_dir() else 'does not exist'}")
         try:
             data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError as e:

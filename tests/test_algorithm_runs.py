@@ -113,16 +113,21 @@ def test_labels_reach_the_scorer_as_tokens_and_as_text(embedded_assets, exact_ma
         assert rewards.tolist() == [1.0, 1.0, 0.0]
         rewards, _ = chat_scorer(client, tok)(rollout, prompts, ["good", "good", "bad"]).result()
         assert rewards.tolist() == [1.0, 0.0, 0.0]
-        # a response that ended with EOS: its text has the EOS token only with reward.skip_special_tokens=false
-        ended = [prompt + good + [tok.eos_token_id]]
+        # special tokens inside a response (a chat template's markup between turns) reach the scorer in its text only
+        # with reward.skip_special_tokens=false; the EOS a response ends with, a rule scorer never reads (OpenRLHF's
+        # queries all end with it, and no label does)
+        eos = tok.eos_token_id
+        ended = [prompt + good + [eos] + good + [eos]]
         ended = Rollout(torch.tensor(ended), torch.tensor([len(ended[0])]), torch.tensor([len(prompt)]),
                         torch.ones(1, dtype=torch.bool))
-        labels = ["good", f"good {tok.eos_token}"]
-        assert [text_scorer(client, tok)(ended, prompts[:1], [x]).result()[0].item() for x in labels] == [1.0, 0.0]
+        labels = ["good good", f"good {tok.eos_token} good", f"good {tok.eos_token} good {tok.eos_token}"]
+        assert [text_scorer(client, tok)(ended, prompts[:1], [x]).result()[0].item()
+                for x in labels] == [1.0, 0.0, 0.0]
         assert [text_scorer(client, tok, skip_special_tokens=False)(ended, prompts[:1], [x]).result()[0].item()
-                for x in labels] == [0.0, 1.0]
+                for x in labels] == [0.0, 1.0, 0.0]
         # a conversation's response never carries the policy's special tokens
-        assert [chat_scorer(client, tok)(ended, prompts[:1], [x]).result()[0].item() for x in labels] == [1.0, 0.0]
+        assert [chat_scorer(client, tok)(ended, prompts[:1], [x]).result()[0].item()
+                for x in labels] == [1.0, 0.0, 0.0]
     finally:
         client.close()
 
