@@ -121,9 +121,9 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     except RuntimeError as e:
         if "ignore_mismatched_sizes" not in str(e):
             raise
+        labels = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).num_labels
         raise ValueError(f"{path}: its head has another shape than one output (a critic and a reward model score with "
-                         f"one; the checkpoint's config has num_labels={AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).num_labels}): "
-                         f"{str(e).splitlines()[0]}") from None
+                         f"one; the checkpoint's config has num_labels={labels}): {str(e).splitlines()[0]}") from None
     # transformers reverses a load's key mapping when the model is saved: the critic's checkpoints keep `score`
     if getattr(model, "_weight_conversions", None):
         model._weight_conversions = [c for c in model._weight_conversions
