@@ -127,6 +127,8 @@ class PPOTrainer:
         val_file = existing_prompt_file(d.val_file, "data.val_file") if p.validates else None
         checkpoints.remove_leftovers(self.run_dir / "checkpoints")
         self.resume_from = checkpoints.resume_point(cfg.checkpointing, self.run_dir / "checkpoints")
+        if self.resume_from:
+            checkpoints.verify_weights(self.resume_from)
         policy_path = (str(self.resume_from / "actor") if self.resume_from
                        else resolve_model(pol.model_name, key="policy.model_name"))
         with naming_the_model("policy.model_name", pol.model_name) if not self.resume_from else \
@@ -489,7 +491,8 @@ class PPOTrainer:
             metric, unknown = checkpoints.ranking_metric(self.cfg.checkpointing.metric_name, metrics), None
         except checkpoints.UnknownMetric as e:  # the checkpoint is written all the same; nothing is pruned by it
             metric, unknown = None, e
-        state = {**meta, **unsaved, "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
+        state = {**meta, **unsaved, checkpoints.WEIGHTS_CRC32: checkpoints.weight_sums(tmp),
+                 "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
                  "reward_serves": self.servers.reward_serves,
                  "next_group": self.collector.next_group, "metric": metric,
                  "python_random": random.getstate()[1], "config": self.cfg.model_dump(mode="json")}

@@ -5,6 +5,7 @@ traceback."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import socket
@@ -154,8 +155,8 @@ def test_a_second_actor_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_pat
     lock_run_dir(run_dir).close()  # released: the next one takes it
 
 
-@pytest.mark.parametrize("damage", ["weights-truncated", "weights-missing", "config-truncated", "tokenizer-truncated",
-                                    "config-only-model"])
+@pytest.mark.parametrize("damage", ["weights-truncated", "weights-missing", "weights-overwritten", "config-truncated",
+                                    "tokenizer-truncated", "config-only-model"])
 def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(embedded_assets, tmp_path, damage):
     """A checkpoint damaged on disk (a full disk, a copy gone wrong) stops the resume with the checkpoint named and
     the two ways on; a model directory with a config but no weights is refused naming policy.model_name. Both were
@@ -176,7 +177,14 @@ def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(e
     shutil.copytree(embedded_assets.policy, step / "actor")
     (step / "trainer_state.json").write_text("{}")
     weights = step / "actor" / "model.safetensors"
-    if damage == "weights-missing":
+    if damage == "weights-overwritten":  # 64 bytes of the weights changed in place: safetensors loads it as it is
+        from actor.checkpoints import WEIGHTS_CRC32, weight_sums
+
+        (step / "trainer_state.json").write_text(json.dumps({WEIGHTS_CRC32: weight_sums(step)}))
+        with weights.open("r+b") as f:
+            f.seek(weights.stat().st_size // 2)
+            f.write(bytes(64))
+    elif damage == "weights-missing":
         weights.unlink()
     else:
         cut = {"weights-truncated": weights, "config-truncated": step / "actor" / "config.json",
@@ -185,8 +193,11 @@ def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(e
     done = subprocess.run([sys.executable, "-m", "actor", "--http-port", "0", f"run_dir={tmp_path / 'run'}"],
                           cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    part = "its policy" if damage.startswith("weights") else "its tokenizer"
-    assert f"error: {step}: {part} cannot be loaded" in done.stderr, done.stderr[-2000:]
+    if damage == "weights-overwritten":
+        assert f"error: {step}: actor/model.safetensors is not the file the run wrote (it has CRC-32" in done.stderr
+    else:
+        part = "its policy" if damage.startswith("weights") else "its tokenizer"
+        assert f"error: {step}: {part} cannot be loaded" in done.stderr, done.stderr[-2000:]
     assert "checkpointing.resume=<run_dir>/checkpoints/step_N" in done.stderr and "resume=never" in done.stderr
 
 
