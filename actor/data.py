@@ -73,10 +73,15 @@ class PromptFormat:
             if not self.chat:
                 return None
             value = [{"role": "user", "content": self.text(value)}]
-        elif not (isinstance(value, list) and value and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in value)):
+        elif not (isinstance(value, list) and value):
             raise ValueError("expected a non-empty string or a non-empty list of {\"role\": str, \"content\": str} messages")
+        elif (bad := next((i for i, m in enumerate(value) if not (
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str))),
+                None)) is not None:
+            raise ValueError(f"message {bad}: expected {{\"role\": str, \"content\": str}} in a list of "
+                             f"{{\"role\": str, \"content\": str}} messages, got {json.dumps(value[bad])[:200]}")
+        elif not any(m["role"] != "system" and m["content"].strip() for m in value):
+            raise ValueError("no message but the system's has any text: there is nothing for the policy to answer")
         elif self.template is not None:  # silently left out before: the instructions never reached the policy
             raise ValueError("data.prompt_file formats string prompts (its {} takes the prompt), and this prompt is a "
                              "list of messages: write the instructions into the messages (or the system message, "

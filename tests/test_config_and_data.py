@@ -274,15 +274,20 @@ def test_string_prompts_begin_as_the_tokenizer_begins_a_text_and_chat_prompts_as
     "line, chat, words",
     [
         ('{"prompt": [{"role": "user"}]}', False, [":2:", "list of {\"role\": str, \"content\": str}"]),
+        ('{"prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": 7}]}', False,
+         [":2:", 'message 1: expected {"role": str, "content": str}', '"content": 7']),
         ('{"prompt": 7}', False, [":2:", "non-empty string"]),
         ('{"prompt": []}', True, [":2:", "non-empty list"]),
-        ('{"prompt": [{"role": "system", "content": "hi"}]}', True, [":2:", "chat template refused",
-                                                                   "the last message must be the user"]),
+        ('{"prompt": [{"role": "system", "content": "hi"}, {"role": "user", "content": " "}]}', True,
+         [":2:", "no message but the system's has any text"]),
+        ('{"prompt": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]}', True,
+         [":2:", "chat template refused", "the last message must be the user"]),
         # SFT-style data whose messages hold the answer: rendered as is, the answer would sit inside the prompt
         ('{"prompt": [{"role": "user", "content": "river"}, {"role": "assistant", "content": "good"}]}', False,
          [":2:", "ends with an assistant message", "it can be the label"]),
     ],
-    ids=["message-without-content", "number", "no-messages", "template-refuses", "ends-with-the-answer"],
+    ids=["message-without-content", "content-not-a-string", "number", "no-messages", "no-text", "template-refuses",
+         "ends-with-the-answer"],
 )
 def test_chat_prompt_errors_name_file_and_line(tmp_path, chat_tokenizer, line, chat, words):
     path = tmp_path / "prompts.jsonl"
