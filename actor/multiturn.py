@@ -149,6 +149,7 @@ class MultiTurnCollector(RolloutCollector):
         """One generation batch of episodes (a sample per prompt), as a Rollout with `policy_mask` and `rewards`."""
         episodes = [Episode.start(p.ids, self.tokenizer.decode(p.ids, skip_special_tokens=True), p.label)
                     for p in prompts]
+        cut = 0  # episodes ended because the environment's observation and another turn would not fit the context
         for turn in range(self.max_turns):
             running = [e for e in episodes if not e.done]
             if not running:
@@ -159,7 +160,8 @@ class MultiTurnCollector(RolloutCollector):
                     step = self.environment.step([e.messages for e in running], [e.metadata for e in running])
                 except RemoteError:
                     raise  # its scorer's server is away: handled as any server outage
-                except Exception as e:  # the user's code failed: the trainer keeps the last finished step
+                except (Exception, SystemExit, KeyboardInterrupt) as e:  # the user's code failed (an exit in it
+                    # would end the run with exit 0, unsaved): the trainer keeps the last finished step
                     raise BadEnvironment(f"{self.where}.step raised {type(e).__name__}: {e}") from e
             if not isinstance(step, EnvironmentStep):
                 raise BadEnvironment(f"{self.where}.step returned a {type(step).__name__}, not an EnvironmentStep")
@@ -176,9 +178,14 @@ class MultiTurnCollector(RolloutCollector):
                 obs_ids = self.tokenizer(obs, add_special_tokens=False)["input_ids"] if obs else []
                 if len(e.ids) + len(obs_ids) + params.max_new_tokens > self.max_length:
                     e.done = True  # another turn would not fit the policy's context
+                    cut += 1
                     continue
                 e.add_observation(obs_ids, obs)
                 e.stop_strings = tuple(stops or ())
+        if cut:
+            log.warning("%d of %d episodes ended before ppo.max_rollout_turns: %s's observation and another turn of "
+                        "policy.generation.max_new_tokens would pass the policy's context of %d tokens", cut,
+                        len(episodes), self.where, self.max_length)
         return episodes_to_rollout(episodes, self.pad_id)
 
     def _policy_turn(self, running: list[Episode], params: SamplingParams, seed: int) -> None:

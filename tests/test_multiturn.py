@@ -164,12 +164,13 @@ def test_episodes_alternate_generation_and_the_environment(policy, tok):
     assert batch.ref_logprobs is not None and batch.values is None
 
 
-def test_the_context_limit_ends_an_episode_and_bad_environments_are_named(policy, tok):
+def test_the_context_limit_ends_an_episode_and_bad_environments_are_named(policy, tok, caplog):
     env = build_environment("tests.test_multiturn:ScriptedEnvironment", {"end_after": 99}, EnvironmentContext(tok))
     prompt = Prompt(tok("river castle =>", add_special_tokens=False)["input_ids"])
     c = collector(policy, tok, env, max_turns=5, max_length=3 + 6 + 3 + 6)  # room for two turns of 6 tokens
     batch = c.generate([prompt], SamplingParams(6, 1.0, 0, 1.0, ()), seed=1, generations=2)
     assert count_turns(batch.mask).tolist() == [2, 2] and int(batch.rollout.lengths.max()) <= 18
+    assert "2 of 2 episodes ended before ppo.max_rollout_turns: ScriptedEnvironment's observation" in caplog.text
 
     class Short(ScriptedEnvironment):
         def step(self, message_logs, metadata):
@@ -190,6 +191,32 @@ def test_the_context_limit_ends_an_episode_and_bad_environments_are_named(policy
     c = collector(policy, tok, Raising(ScriptOptions(), EnvironmentContext(tok)), max_turns=2)
     with pytest.raises(BadEnvironment, match=re.escape("Raising.step raised KeyError: 'score'")):  # the run keeps its
         c.generate([prompt], SamplingParams(4), seed=1, generations=2)  # last step (PPOTrainer.fit) and exits 1
+
+    class Exiting(ScriptedEnvironment):  # sys.exit in the user's code ended the run with exit 0, nothing saved
+        def step(self, message_logs, metadata):
+            raise SystemExit(0)
+
+    c = collector(policy, tok, Exiting(ScriptOptions(), EnvironmentContext(tok)), max_turns=2)
+    with pytest.raises(BadEnvironment, match=re.escape("Exiting.step raised SystemExit: 0")):
+        c.generate([prompt], SamplingParams(4), seed=1, generations=2)
+
+
+class FailsToStart(ScriptedEnvironment):
+    def __init__(self, options, context):
+        raise RuntimeError("no such dataset")
+
+
+def test_an_environment_that_fails_to_start_or_import_is_named(tmp_path, monkeypatch):
+    with pytest.raises(BadEnvironment, match=re.escape("env.name=tests.test_multiturn:FailsToStart: its constructor "
+                                                       "raised RuntimeError: no such dataset")):
+        build_environment("tests.test_multiturn:FailsToStart", {}, EnvironmentContext(None))
+    (tmp_path / "broken_env.py").write_text("import nothing_here_either as x\n1/0\n")
+    (tmp_path / "typo_env.py").write_text("def step(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="env.name=broken_env:Env: cannot import it: No module named"):
+        load_config(ActorConfig, None, ["env.name=broken_env:Env"])
+    with pytest.raises(ConfigError, match="env.name=typo_env:Env: importing typo_env raised SyntaxError"):
+        load_config(ActorConfig, None, ["env.name=typo_env:Env"])
 
 
 def test_config_refuses_what_does_not_fit_together():
@@ -298,6 +325,8 @@ def test_retry_feedback_stays_a_word_of_its_own_with_a_byte_level_tokenizer():
     ("observations", [None, "so =>"], "every observation must be a str"),
     ("next_stop_strings", ["</a>", None], "next_stop_strings holds, per sample, None or a list"),
     ("metadata", None, "metadata must be a list"),
+    # a float read as a truth value ended every episode at once
+    ("terminated", torch.tensor([0.3, 0.0]), "terminated must be a bool tensor, got torch.float32"),
 ])
 def test_an_environment_answering_with_wrong_types_is_named(field, value, message):
     answer = {"observations": ["", "so =>"], "rewards": torch.zeros(2), "terminated": torch.tensor([True, False]),

@@ -59,6 +59,8 @@ class EnvironmentStep:
             if not isinstance(x, torch.Tensor) or x.dim() != 1:
                 got = f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
                 raise BadEnvironment(f"{where}.step: {name} must be a 1-D tensor [N], got {got}")
+        if self.terminated.dtype != torch.bool:  # a float 0.3 (or NaN) read as True ended every episode
+            raise BadEnvironment(f"{where}.step: terminated must be a bool tensor, got {self.terminated.dtype}")
         for name in ("observations", "next_stop_strings", "metadata"):
             if not isinstance(getattr(self, name), list | tuple):
                 raise BadEnvironment(f"{where}.step: {name} must be a list, got {type(getattr(self, name)).__name__}")
@@ -131,6 +133,8 @@ def environment_class(name: str) -> type:
                          "and PYTHONPATH)") from None
     except AttributeError as e:
         raise ValueError(f"env.name={name}: cannot import it: {e}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the module's own code failed as it was imported
+        raise ValueError(f"env.name={name}: importing {module} raised {type(e).__name__}: {e}") from None
     if not (isinstance(getattr(cls, "Options", None), type) and issubclass(cls.Options, EnvironmentOptions)
             and callable(getattr(cls, "step", None))):
         # a ValueError, so pydantic reports it as the key's error like every other config mistake
@@ -155,5 +159,12 @@ def environment_options(name: str, options: dict[str, Any]) -> EnvironmentOption
 
 
 def build_environment(name: str, options: dict[str, Any], context: EnvironmentContext) -> Environment:
-    """The environment `name` with its validated options: `cls(options, context)`."""
-    return environment_class(name)(environment_options(name, options), context)
+    """The environment `name` with its validated options: `cls(options, context)`; BadEnvironment naming env.name
+    when the user's constructor fails (SystemExit too: it would end the run with exit 0, having done nothing)."""
+    cls, validated = environment_class(name), environment_options(name, options)
+    try:
+        return cls(validated, context)
+    except BadEnvironment:
+        raise
+    except (Exception, SystemExit) as e:
+        raise BadEnvironment(f"env.name={name}: its constructor raised {type(e).__name__}: {e}") from e
