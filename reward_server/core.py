@@ -236,10 +236,7 @@ class RewardCore:
             if value is not None:
                 raise InvalidArgument(f"{name}: only used with tokens")
         b = len(texts)
-        responses = list(texts)
-        # the rule scorers read each response as token ids decoded without their special tokens would read: a text
-        # decoded with them kept (OpenRLHF's queries) ends with the policy's EOS text, which no label has
-        inp = ScoreInput(rows=b, responses=[without_end_marks(r, self.end_marks) for r in responses])
+        responses, whole = list(texts), []
         if prompts:
             _check_count(prompts, "prompts", b)
             # OpenRLHF truncates long prompts, so a text need not start with its prompt; it is then scored whole.
@@ -247,13 +244,14 @@ class RewardCore:
             if whole:
                 log.debug("%s%s do not start with their prompts; scored whole", texts_field, whole)
             responses = [text.removeprefix(prompt) for text, prompt in zip(texts, prompts)]
-            inp.responses = [without_end_marks(r, self.end_marks) for r in responses]
-            if self.encoder:  # encoders' reward models are trained on (prompt, response) pairs, as sent
-                pairs = [(p, r) if i not in whole else (t, None)
-                         for i, (t, p, r) in enumerate(zip(texts, prompts, responses))]
-                inp.tokens, inp.lengths = self._tokenize_pairs(pairs, texts_field)
-                return inp
-        if self.model is not None:
+        # the rule scorers read each response as token ids decoded without their special tokens would read: a text
+        # decoded with them kept (OpenRLHF's queries) ends with the policy's EOS text, which no label has
+        inp = ScoreInput(rows=b, responses=[without_end_marks(r, self.end_marks) for r in responses])
+        if prompts and self.encoder:  # encoders' reward models are trained on (prompt, response) pairs, as sent
+            pairs = [(p, r) if i not in whole else (t, None)
+                     for i, (t, p, r) in enumerate(zip(texts, prompts, responses))]
+            inp.tokens, inp.lengths = self._tokenize_pairs(pairs, texts_field)
+        elif self.model is not None:
             inp.tokens, inp.lengths = self._tokenize(texts, texts_field)
         return inp
 

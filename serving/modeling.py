@@ -109,7 +109,7 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     (`scalar_head_class`). A checkpoint that leaves the whole body uninitialised is refused. `trust_remote_code`
     lets transformers run the model code a checkpoint ships (its config's auto_map)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    config.num_labels = 1
+    labels, config.num_labels = config.num_labels, 1  # the checkpoint's own count, for the refusal below
 
     def load(cls: type) -> tuple[PreTrainedModel, dict]:
         remote = {"trust_remote_code": trust_remote_code} if cls is AutoModelForSequenceClassification else {}
@@ -121,7 +121,6 @@ def load_scalar_head_model(path: str, dtype: torch.dtype = torch.float32, *, tra
     except RuntimeError as e:
         if "ignore_mismatched_sizes" not in str(e):
             raise
-        labels = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).num_labels
         raise ValueError(f"{path}: its head has another shape than one output (a critic and a reward model score with "
                          f"one; the checkpoint's config has num_labels={labels}): {str(e).splitlines()[0]}") from None
     # transformers reverses a load's key mapping when the model is saved: the critic's checkpoints keep `score`
