@@ -14,12 +14,13 @@ import json
 import logging
 import os
 import shutil
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from serving import checksums
 
 from .config import CheckpointingConfig, RemoteConfig
 
@@ -163,44 +164,32 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return [f"{k} (was {a.get(k)!r}, now {b.get(k)!r})" for k in keys]
 
 
-WEIGHTS_CRC32 = "weights_crc32"  # trainer_state.json's record of the policy's weight files as written
+WEIGHTS_CRC32 = checksums.CRC32_KEY  # trainer_state.json's record of the checkpoint's files as written
 
 
 def weight_sums(directory: Path) -> dict[str, str]:
     """CRC-32 of each weight file (*.safetensors) under checkpoint `directory` (the policy, an adapter, a merged
-    copy), by path relative to it. safetensors carries no checksum of its own: a file changed on disk loads, and the
-    run then fails steps later for another reason (a corrupted weight reads as a diverged policy)."""
-    sums = {}
-    for path in sorted(directory.glob("actor*/*.safetensors")):
-        crc = 0
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                crc = zlib.crc32(chunk, crc)
-        sums[str(path.relative_to(directory))] = f"{crc:08x}"
-    return sums
+    copy), by path relative to it; `write_state` adds the optimizer and random-state files (serving/checksums.py)."""
+    return checksums.sums(directory, ("actor*/*.safetensors",))
 
 
 def verify_weights(directory: Path) -> None:
-    """Before a resume loads them: the weight files are those the run wrote (ResumeError naming the first that is
-    not). A checkpoint written before the sums were recorded, or whose trainer_state.json cannot be read (read_state
-    says why), is not checked."""
+    """Before a resume loads them: the weight, optimizer and random-state files are those the run wrote
+    (ResumeError naming the first that is not). A checkpoint written before the sums were recorded, or whose
+    trainer_state.json cannot be read (read_state says why), is not checked."""
     try:
         wrote = json.loads((directory / STATE_FILE).read_text()).get(WEIGHTS_CRC32)
     except (OSError, ValueError, AttributeError):
         return
-    if not isinstance(wrote, dict):
-        return
-    found = weight_sums(directory)
-    for name, crc in wrote.items():
-        if found.get(name) != crc:
-            now = "is missing" if name not in found else f"has CRC-32 {found[name]}, where the run wrote {crc}"
-            raise ResumeError(f"{directory}: {name} is not the file the run wrote (it {now}): damaged on disk or "
-                              f"changed since{OTHER_CHOICES}")
+    if (changed := checksums.first_changed(directory, wrote)) is not None:
+        raise ResumeError(f"{directory}: {changed}{OTHER_CHOICES}")
 
 
 def write_state(directory: Path, state: dict[str, Any], optimizer: dict, rng: dict[str, Any]) -> None:
-    torch.save(optimizer, directory / OPTIMIZER_FILE)
-    torch.save(rng, directory / RNG_FILE)
+    """The optimizer and random states, then trainer_state.json with their CRC-32 added to `state`'s record."""
+    summed = {OPTIMIZER_FILE: checksums.save_summed(optimizer, directory / OPTIMIZER_FILE),
+              RNG_FILE: checksums.save_summed(rng, directory / RNG_FILE)}
+    state = {**state, WEIGHTS_CRC32: {**state.get(WEIGHTS_CRC32, {}), **summed}}
     (directory / STATE_FILE).write_text(json.dumps(state, indent=2))
 
 

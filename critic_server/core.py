@@ -24,6 +24,7 @@ import torch
 
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import naming_the_model, resolve_model
+from serving import checksums
 from serving.errors import (
     DISK_FULL,
     DeadlineExceeded,
@@ -71,6 +72,7 @@ LEFTOVER_AGE_S = 60.0  # a .tmp-* or .old-* directory untouched this long at sta
 AUTOSAVE_PREFIX = "autosave-"  # the tags the critic gives its own checkpoints (autosave_every)
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
+WEIGHT_FILES = ("*.safetensors",)  # what save_pretrained writes the value model's weights to (sharded or not)
 MAX_EPOCHS = 64  # passes over one Train's batch
 
 
@@ -230,6 +232,8 @@ class CriticCore:
         """The value model (float32 weights, which the optimizer updates; its passes compute in `dtype` under
         autocast), tokenizer and optimizer from `path`, with the training state when it is one of our checkpoints."""
         cfg = self.cfg
+        if (Path(path) / STATE_FILE).is_file():  # one of our own checkpoints: its files as the Save wrote them
+            verify_files(Path(path))
         self.model = load_scalar_head_model(path, torch.float32, trust_remote_code=cfg.trust_remote_code)
         self.tokenizer = load_tokenizer(path, cfg.trust_remote_code)
         self.model = self.model.to(self.device)
@@ -495,9 +499,11 @@ class CriticCore:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             copy_remote_code(self.model.config, self.model_dir, tmp)
-            torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)  # tensors and numbers: weights_only loads it
+            # tensors and numbers: weights_only loads it
+            summed = {OPTIMIZER_FILE: checksums.save_summed(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)}
             state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
-                     "dedupe_window": self.window.to_json()}
+                     "dedupe_window": self.window.to_json(),
+                     checksums.CRC32_KEY: {**checksums.sums(tmp, WEIGHT_FILES), **summed}}
             (tmp / STATE_FILE).write_text(json.dumps(state))
             replaced = root / f"{OLD_PREFIX}{tag}"
             if final.exists():  # moved aside, not deleted, until the new one is in place: a failure keeps it
@@ -533,6 +539,7 @@ class CriticCore:
         path = checkpoint_path(Path(self.cfg.checkpoint_dir), tag)
         if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
             raise NotFound(f"tag: no checkpoint of this critic at {path}")
+        verify_files(path)
         try:
             saved = load_scalar_head_model(str(path), torch.float32,
                                            trust_remote_code=self.cfg.trust_remote_code).state_dict()
@@ -551,6 +558,18 @@ class CriticCore:
 
 # what a write refused by the file system says where no OSError carries its errno (safetensors: "... (os error 28)")
 _OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def verify_files(checkpoint: Path) -> None:
+    """FailedPrecondition naming the first weight or optimizer file of `checkpoint` that is not the one its Save
+    wrote (by the CRC-32 recorded in its critic_state.json; a checkpoint written before they were recorded, or with
+    no readable critic_state.json, is not checked here)."""
+    try:
+        wrote = json.loads((checkpoint / STATE_FILE).read_text()).get(checksums.CRC32_KEY)
+    except (OSError, ValueError, AttributeError):
+        return
+    if (changed := checksums.first_changed(checkpoint, wrote)) is not None:
+        raise FailedPrecondition(f"{checkpoint}: {changed}")
 
 
 def write_failure(error: BaseException, final: Path) -> ServiceError:

@@ -806,10 +806,10 @@ def test_a_critic_restarted_on_its_checkpoint_dir_resumes_and_remembers_request_
     assert "resume=latest: resumed from" in second.log() and "at train step 3" in second.log()
 
     # Damaged checkpoints (a save cut short, a bad copy): the newest that loads is resumed, each skipped one logged;
-    # before, a damaged newest one failed every start (a crash loop) or was passed over silently.
+    # before, a damaged newest one failed every start (a crash loop) or was passed over silently. 64 bytes changed
+    # in place load silently but for the CRC-32 the Save recorded.
     assert (ckpt / "autosave-4").is_dir()
-    weights = ckpt / "autosave-4" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
+    _overwrite_middle(ckpt / "autosave-4" / "model.safetensors")
     (ckpt / "autosave-3" / "critic_state.json").write_text("{not json")
     # leftovers of Saves killed mid-write: removed (or put back) at start once untouched for a minute
     for name in (".tmp-run-b-step_9", ".old-run-b-step_8", ".tmp-young"):
@@ -821,7 +821,8 @@ def test_a_critic_restarted_on_its_checkpoint_dir_resumes_and_remembers_request_
     with ServiceProcess("critic", *args, log_dir=log_dir) as third, channel(third.address) as ch:
         assert _info(critic_pb2_grpc.CriticServiceStub(ch)).train_step == 2
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith((".", "run-b"))) == [".tmp-young", "run-b-step_8"]
-    assert f"the checkpoint {ckpt / 'autosave-4'} cannot be loaded (SafetensorError" in third.log()
+    assert (f"the checkpoint {ckpt / 'autosave-4'} cannot be loaded (FailedPrecondition: {ckpt / 'autosave-4'}: "
+            f"model.safetensors is not the file the checkpoint wrote (it has CRC-32") in third.log()
     assert f"{ckpt / 'autosave-3'} holds a critic's optimizer.pt but no readable critic_state.json" in third.log()
     assert "1 newer checkpoint(s) could not be loaded, so the critic resumed from an older one" in third.log()
     # none loads: the server stops naming them, rather than start again from its model and lose the training
@@ -861,17 +862,42 @@ def test_load_returns_to_a_checkpoint_weights_optimizer_step_and_request_ids(cri
         assert err.value.code() == code and "tag" in err.value.details()
 
 
+def _as_written_before_sums(path: Path) -> None:
+    """The checkpoint as a critic wrote it before Saves recorded their files' CRC-32: the checks behind the sums."""
+    state = json.loads((path / "critic_state.json").read_text())
+    del state["weights_crc32"]
+    (path / "critic_state.json").write_text(json.dumps(state))
+
+
 def _corrupt_optimizer(path: Path) -> str:
+    _as_written_before_sums(path)
     (path / "optimizer.pt").write_bytes(b"not a torch file")
     return "optimizer.pt: cannot be read as an optimizer state"
 
 
 def _misshapen_moments(path: Path) -> str:
+    _as_written_before_sums(path)
     state = torch.load(path / "optimizer.pt", weights_only=True)
     first = next(iter(state["state"]))
     state["state"][first]["exp_avg"] = torch.zeros(3, 3)
     torch.save(state, path / "optimizer.pt")
     return "optimizer.pt: does not fit this critic's optimizer: exp_avg of parameter"
+
+
+def _overwrite_middle(file: Path) -> None:  # 64 bytes changed in place: safetensors and torch.load both read it as it is
+    with file.open("r+b") as f:
+        f.seek(file.stat().st_size // 2)
+        f.write(bytes(range(64)))
+
+
+def _weights_overwritten(path: Path) -> str:
+    _overwrite_middle(path / "model.safetensors")
+    return "model.safetensors is not the file the checkpoint wrote (it has CRC-32"
+
+
+def _optimizer_overwritten(path: Path) -> str:
+    _overwrite_middle(path / "optimizer.pt")
+    return "optimizer.pt is not the file the checkpoint wrote (it has CRC-32"
 
 
 def _bad_state_json(path: Path) -> str:
@@ -886,8 +912,10 @@ def _another_model(path: Path) -> str:  # one more layer: transformers fills it 
     return "the weights do not fit this critic's model: unexpected"
 
 
-@pytest.mark.parametrize("corrupt", [_corrupt_optimizer, _misshapen_moments, _bad_state_json, _another_model],
-                         ids=["optimizer-unreadable", "optimizer-moments-misshapen", "state-not-json", "more-layers"])
+@pytest.mark.parametrize("corrupt", [_corrupt_optimizer, _misshapen_moments, _bad_state_json, _another_model,
+                                     _weights_overwritten, _optimizer_overwritten],
+                         ids=["optimizer-unreadable", "optimizer-moments-misshapen", "state-not-json", "more-layers",
+                              "weights-overwritten", "optimizer-overwritten"])
 def test_a_load_that_cannot_apply_every_part_changes_nothing(critic, stub, corrupt):
     """A Load reads and checks the weights, the optimizer state and the critic state before it applies any: one
     that would apply only some (torch copies the matching weights before it raises for the rest) is

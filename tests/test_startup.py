@@ -5,7 +5,6 @@ traceback."""
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import socket
@@ -155,8 +154,9 @@ def test_a_second_actor_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_pat
     lock_run_dir(run_dir).close()  # released: the next one takes it
 
 
-@pytest.mark.parametrize("damage", ["weights-truncated", "weights-missing", "weights-overwritten", "config-truncated",
-                                    "tokenizer-truncated", "config-only-model"])
+@pytest.mark.parametrize("damage", ["weights-truncated", "weights-missing", "weights-overwritten",
+                                    "optimizer-overwritten", "config-truncated", "tokenizer-truncated",
+                                    "config-only-model"])
 def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(embedded_assets, tmp_path, damage):
     """A checkpoint damaged on disk (a full disk, a copy gone wrong) stops the resume with the checkpoint named and
     the two ways on; a model directory with a config but no weights is refused naming policy.model_name. Both were
@@ -177,13 +177,14 @@ def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(e
     shutil.copytree(embedded_assets.policy, step / "actor")
     (step / "trainer_state.json").write_text("{}")
     weights = step / "actor" / "model.safetensors"
-    if damage == "weights-overwritten":  # 64 bytes of the weights changed in place: safetensors loads it as it is
-        from actor.checkpoints import WEIGHTS_CRC32, weight_sums
+    if damage in ("weights-overwritten", "optimizer-overwritten"):  # 64 bytes changed in place: both load as they are
+        from actor.checkpoints import WEIGHTS_CRC32, weight_sums, write_state
 
-        (step / "trainer_state.json").write_text(json.dumps({WEIGHTS_CRC32: weight_sums(step)}))
-        with weights.open("r+b") as f:
-            f.seek(weights.stat().st_size // 2)
-            f.write(bytes(64))
+        write_state(step, {WEIGHTS_CRC32: weight_sums(step)}, {"state": {}, "param_groups": []}, {"torch": None})
+        changed = weights if damage == "weights-overwritten" else step / "optimizer.pt"
+        with changed.open("r+b") as f:
+            f.seek(changed.stat().st_size // 2)
+            f.write(bytes(range(64)))
     elif damage == "weights-missing":
         weights.unlink()
     else:
@@ -193,8 +194,10 @@ def test_a_policy_that_cannot_load_is_refused_naming_the_checkpoint_or_the_key(e
     done = subprocess.run([sys.executable, "-m", "actor", "--http-port", "0", f"run_dir={tmp_path / 'run'}"],
                           cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    if damage == "weights-overwritten":
-        assert f"error: {step}: actor/model.safetensors is not the file the run wrote (it has CRC-32" in done.stderr
+    if damage.endswith("-overwritten"):
+        name = "actor/model.safetensors" if damage == "weights-overwritten" else "optimizer.pt"
+        assert f"error: {step}: {name} is not the file the checkpoint wrote (it has CRC-32" in done.stderr, \
+            done.stderr[-2000:]
     else:
         part = "its policy" if damage.startswith("weights") else "its tokenizer"
         assert f"error: {step}: {part} cannot be loaded" in done.stderr, done.stderr[-2000:]
