@@ -425,6 +425,8 @@ class EnvConfig(StrictModel):
 
     name: str | None = Field(
         None, description="null: no environment (one response per sample, rewards from the reward source); a built-in environment (retry_with_feedback) or an importable 'package.module:Class'. Its rewards become the sample rewards; its own keys sit beside name (docs/environments.md).")
+    step_timeout_s: float | None = Field(
+        600.0, gt=0, description="Longest one environment step (its answer to every running sample of a generation batch) may take; past it the run stops (exit 1), its last finished step checkpointed, naming the environment. null: wait as long as it takes.")
 
     @property
     def options(self) -> dict[str, Any]:

@@ -14,9 +14,13 @@ summed environment rewards; the trainer's step is the same as for single-turn ro
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -38,6 +42,35 @@ from .generation import Rollout, SamplingParams
 from .rollouts import RolloutCollector
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EnvironmentThread:
+    """One thread of the environment's own that runs its constructor and every step, so that the actor can wait for
+    a step with a timeout (env.step_timeout_s) instead of hanging with it (a sandbox that never answers, a deadlock
+    in the user's code). Always the same thread: an environment holding thread-bound resources (an sqlite
+    connection, say) finds them on the thread that made them. A daemon thread: a step that never returns does not
+    keep the process from exiting once the run has stopped."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=f"environment {name}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - SystemExit too: the caller decides what each means
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """fn() on the environment's thread; its exception re-raised here; TimeoutError past `timeout_s`."""
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future.result(timeout_s)
 
 
 @dataclass
@@ -137,11 +170,11 @@ class MultiTurnCollector(RolloutCollector):
     """A `RolloutCollector` whose generation batches are multi-turn episodes with `environment`; critic values,
     log-probs, dynamic sampling and the batch layout are the single-turn collector's."""
 
-    def __init__(self, *, environment: Environment, tokenizer: PreTrainedTokenizerBase, max_turns: int,
-                 max_length: int, **kwargs: Any):
+    def __init__(self, *, environment: Environment, env_thread: EnvironmentThread, step_timeout_s: float | None,
+                 tokenizer: PreTrainedTokenizerBase, max_turns: int, max_length: int, **kwargs: Any):
         super().__init__(**kwargs)
-        self.environment, self.tokenizer = environment, tokenizer
-        self.max_turns, self.max_length = max_turns, max_length
+        self.environment, self.env_thread, self.step_timeout_s = environment, env_thread, step_timeout_s
+        self.tokenizer, self.max_turns, self.max_length = tokenizer, max_turns, max_length
         self.score = environment_rewards
         self.where = type(environment).__name__
 
@@ -157,7 +190,13 @@ class MultiTurnCollector(RolloutCollector):
             self._policy_turn(running, params, seed * 1_000_003 + turn * 7_919)
             with self.timers("environment"):  # part of timers/generate
                 try:
-                    step = self.environment.step([e.messages for e in running], [e.metadata for e in running])
+                    step = self.env_thread.call(partial(self.environment.step, [e.messages for e in running],
+                                                        [e.metadata for e in running]), self.step_timeout_s)
+                except TimeoutError:
+                    raise BadEnvironment(
+                        f"{self.where}.step did not return within env.step_timeout_s={self.step_timeout_s:g} s "
+                        f"({len(running)} samples, turn {turn + 1}): the environment hangs or is too slow; raise "
+                        f"env.step_timeout_s (null waits as long as it takes)") from None
                 except RemoteError:
                     raise  # its scorer's server is away: handled as any server outage
                 except (Exception, SystemExit, KeyboardInterrupt) as e:  # the user's code failed (an exit in it
@@ -208,9 +247,11 @@ def multi_turn_collector(cfg: ActorConfig, tokenizer: PreTrainedTokenizerBase, r
                          max_length: int) -> partial[MultiTurnCollector]:
     """The collector class for a run with `env.name` set: MultiTurnCollector bound to its environment, taking the
     single-turn collector's keyword arguments."""
-    env = build_environment(cfg.env.name, cfg.env.options,
-                            EnvironmentContext(tokenizer, reward if cfg.env.uses_reward_server else None))
+    assert cfg.env.name is not None
+    thread = EnvironmentThread(cfg.env.name)  # built where it will step: on its own thread
+    env = thread.call(partial(build_environment, cfg.env.name, cfg.env.options,
+                              EnvironmentContext(tokenizer, reward if cfg.env.uses_reward_server else None)))
     log.info("multi-turn episodes with env.name=%s, up to ppo.max_rollout_turns=%d turns; the environment gives "
              "the rewards", cfg.env.name, cfg.ppo.max_rollout_turns)
-    return partial(MultiTurnCollector, environment=env, tokenizer=tokenizer, max_turns=cfg.ppo.max_rollout_turns,
-                   max_length=max_length)
+    return partial(MultiTurnCollector, environment=env, env_thread=thread, step_timeout_s=cfg.env.step_timeout_s,
+                   tokenizer=tokenizer, max_turns=cfg.ppo.max_rollout_turns, max_length=max_length)

@@ -6,6 +6,8 @@ real server processes."""
 from __future__ import annotations
 
 import re
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -26,7 +28,14 @@ from actor.environments import (
 )
 from actor.generation import SamplingParams, TorchGenerationBackend
 from actor.models import ResidentReference
-from actor.multiturn import Episode, MultiTurnCollector, count_turns, episodes_to_rollout
+from actor.multiturn import (
+    EnvironmentThread,
+    Episode,
+    MultiTurnCollector,
+    count_turns,
+    episodes_to_rollout,
+    multi_turn_collector,
+)
 from actor.tracking import Timers
 from algorithms import compute_gae, kl_penalty, token_level_rewards
 from embedded.task import positive_fraction
@@ -124,9 +133,10 @@ class ScriptedEnvironment:
         )
 
 
-def collector(policy, tok, env, max_turns: int, max_length: int = 64) -> MultiTurnCollector:
+def collector(policy, tok, env, max_turns: int, max_length: int = 64, env_thread: EnvironmentThread | None = None,
+              step_timeout_s: float | None = None) -> MultiTurnCollector:
     return MultiTurnCollector(
-        environment=env, tokenizer=tok, max_turns=max_turns, max_length=max_length, policy=policy, reference=ResidentReference(policy),
+        environment=env, env_thread=env_thread or EnvironmentThread("test"), step_timeout_s=step_timeout_s, tokenizer=tok, max_turns=max_turns, max_length=max_length, policy=policy, reference=ResidentReference(policy),
         backend=TorchGenerationBackend(policy, tok.pad_token_id, torch.device("cpu"), tokenizer=tok), critic=None,
         score=None, pad_id=tok.pad_token_id, device=torch.device("cpu"), generation_batch_size=8,
         logprob_passes=PassLimits(rows=8), timers=Timers())
@@ -199,6 +209,48 @@ def test_the_context_limit_ends_an_episode_and_bad_environments_are_named(policy
     c = collector(policy, tok, Exiting(ScriptOptions(), EnvironmentContext(tok)), max_turns=2)
     with pytest.raises(BadEnvironment, match=re.escape("Exiting.step raised SystemExit: 0")):
         c.generate([prompt], SamplingParams(4), seed=1, generations=2)
+
+
+class Stalling(ScriptedEnvironment):
+    """Records the threads it runs on; a step waits for `release` (a sandbox that stopped answering)."""
+
+    release = threading.Event()
+
+    def __init__(self, options, context):
+        super().__init__(options, context)
+        self.threads = {threading.get_ident()}
+
+    def step(self, message_logs, metadata):
+        self.threads.add(threading.get_ident())
+        if self.options.end_after == 77:
+            self.release.wait(60)
+        return super().step(message_logs, metadata)
+
+
+def test_a_step_that_does_not_return_in_time_stops_the_run_naming_the_environment(policy, tok):
+    """env.step_timeout_s: a step that hangs stops the run (BadEnvironment: the trainer keeps its last finished step
+    and exits 1) instead of hanging with it; the constructor and every step run on the environment's own thread."""
+    cfg = load_config(ActorConfig, None, ["env.name=tests.test_multiturn:Stalling", "env.end_after=77",
+                                          "env.step_timeout_s=0.5", "ppo.max_rollout_turns=2"])
+    assert cfg.env.options == {"end_after": 77} and cfg.env.step_timeout_s == 0.5
+    make = multi_turn_collector(cfg, tok, None, max_length=64)
+    env, thread = make.keywords["environment"], make.keywords["env_thread"]
+    prompt = Prompt(tok("river castle =>", add_special_tokens=False)["input_ids"])
+    c = collector(policy, tok, env, max_turns=2, env_thread=thread, step_timeout_s=cfg.env.step_timeout_s)
+    started = time.monotonic()
+    try:
+        with pytest.raises(BadEnvironment, match=re.escape(
+                "Stalling.step did not return within env.step_timeout_s=0.5 s (2 samples, turn 1): the environment "
+                "hangs or is too slow; raise env.step_timeout_s (null waits as long as it takes)")):
+            c.generate([prompt], SamplingParams(4), seed=1, generations=2)
+        assert time.monotonic() - started < 30
+    finally:
+        Stalling.release.set()
+    assert len(env.threads) == 1 and threading.get_ident() not in env.threads
+    assert load_config(ActorConfig, None, []).env.step_timeout_s == 600
+    assert load_config(ActorConfig, None, ["env.step_timeout_s=null"]).env.step_timeout_s is None
+    with pytest.raises(ConfigError, match="env.step_timeout_s"):
+        load_config(ActorConfig, None, ["env.step_timeout_s=0"])
 
 
 class FailsToStart(ScriptedEnvironment):
