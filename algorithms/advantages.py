@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from algorithms.masked import masked_mean, masked_var
+from algorithms.masked import masked_mean, masked_var, widened
 
 _NORMALIZE_VAR_FLOOR = 1e-8  # raw_reward / reinforce++ normalization: rsqrt(clamp(var, 1e-8))
 
@@ -192,9 +192,10 @@ def normalize_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     Returns:
         Float [B, T] in ``advantages.dtype``, 0 at invalid positions.
     """
-    mean = masked_mean(advantages, mask)
-    var = masked_var(advantages, mask)
-    normalized = (advantages - mean) * torch.rsqrt(torch.clamp(var, min=_NORMALIZE_VAR_FLOOR))
+    wide = widened(advantages)  # float64 statistics: a float32 variance overflows above about 1.8e19
+    mean = masked_mean(wide, mask)
+    var = masked_var(wide, mask)
+    normalized = ((wide - mean) * torch.rsqrt(torch.clamp(var, min=_NORMALIZE_VAR_FLOOR))).to(advantages.dtype)
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
     return torch.where(mask.bool().expand_as(advantages), normalized, zero)
 

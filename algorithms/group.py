@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from algorithms.advantages import normalize_advantages
+from algorithms.masked import widened
 
 # |std| below this counts as 0: float32 residue of a near-constant group must not be divided by
 _STD_TOLERANCE = 1e-6
@@ -74,8 +75,8 @@ def _group_stats(
         diff = safe.unsqueeze(-1) - dense[row]  # r_i - r_j
         advantage = torch.where(others, diff, zero).sum(dim=-1) / n_ref.clamp(min=1)
         deviation = torch.where(others, advantage.unsqueeze(-1) - diff, zero)  # r_j - b_i
-        var = deviation.square().sum(dim=-1) / (n_ref - 1).clamp(min=1)
-        std = torch.where(n_ref > 1, var.sqrt(), zero)
+        var = widened(deviation).square().sum(dim=-1) / (n_ref - 1).clamp(min=1)  # float64: no overflow
+        std = torch.where(n_ref > 1, var.sqrt().to(scores.dtype), zero)
     else:
         # first valid member of each group (argmax returns the first maximum); any member would do
         first = present.to(torch.int8).argmax(dim=-1, keepdim=True)
@@ -83,8 +84,8 @@ def _group_stats(
         shifted = torch.where(present, dense - reference, zero)  # [G, N]
         mean_shift = shifted.sum(dim=-1) / n_valid.clamp(min=1)
         deviation = torch.where(present, shifted - mean_shift.unsqueeze(-1), zero)
-        var = deviation.square().sum(dim=-1) / (n_valid - 1).clamp(min=1)
-        std = torch.where(n_valid > 1, var.sqrt(), zero)[row]
+        var = widened(deviation).square().sum(dim=-1) / (n_valid - 1).clamp(min=1)  # float64: no overflow
+        std = torch.where(n_valid > 1, var.sqrt().to(scores.dtype), zero)[row]
         advantage = (safe - reference.squeeze(-1)[row]) - mean_shift[row]
 
     enough = n_valid[row] > 1

@@ -77,6 +77,13 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False) -> Tensor:
     return var
 
 
+def widened(x: Tensor) -> Tensor:
+    """``x`` in float64 for computing a statistic of it: the variance of float32 values of magnitude above about
+    1.8e19 overflows to inf, and every value divided by its square root would be 0 (a step that trains nothing,
+    silently). ``x`` itself where float64 is not available (MPS) or it is float64 already."""
+    return x if x.dtype == torch.float64 or x.device.type == "mps" else x.to(torch.float64)
+
+
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Whiten ``x`` with the mean and biased variance of its valid entries.
 
@@ -88,11 +95,12 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
         mask: bool/float, broadcastable to ``x``.
 
     Returns:
-        Tensor of ``x``'s shape and dtype.
+        Tensor of ``x``'s shape and dtype (computed in float64, :func:`widened`).
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    wide = widened(x)
+    mean = masked_mean(wide, mask)
+    var = masked_var(wide, mask)
+    whitened = (wide - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(_valid(x, mask), whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(_valid(x, mask), whitened.to(x.dtype), torch.zeros((), dtype=x.dtype, device=x.device))

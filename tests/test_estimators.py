@@ -429,3 +429,22 @@ def test_adaptive_kl_coef_rejects_nonpositive_target_or_horizon() -> None:
         adaptive_kl_coef(0.1, 1.0, target=0.0, horizon=10, n_steps=1)
     with pytest.raises(ValueError, match="horizon"):
         adaptive_kl_coef(0.1, 1.0, target=1.0, horizon=0, n_steps=1)
+
+
+@pytest.mark.parametrize("loo", [True, False])
+def test_huge_finite_rewards_normalize_as_their_scaled_down_copies_in_float32(loo: bool) -> None:
+    """Rewards of 1e30 (a reward source gone wrong, but finite) are scaled away by every normalization, as 1e0 are:
+    the statistics are computed in float64. In float32 the variance overflowed to inf and every advantage was 0,
+    so the step trained nothing and said nothing."""
+    f32 = torch.float32
+    rewards = t([1.0, 3.0, 2.0, 7.0, 0.5, 4.0], f32)
+    groups, mask = torch.tensor([0, 0, 0, 1, 1, 1]), torch.ones(6, 3, dtype=f32)
+    tokens = rewards[:, None] * mask
+    for scale in (1e20, 1e30):
+        huge = rewards * scale
+        close(masked_whiten(huge[:, None] * mask, mask), masked_whiten(tokens, mask), rtol=1e-5)
+        close(normalize_advantages(huge[:, None] * mask, mask), normalize_advantages(tokens, mask), rtol=1e-5)
+        close(grpo_advantages(huge, groups, mask, leave_one_out=loo), grpo_advantages(rewards, groups, mask, leave_one_out=loo),
+              rtol=1e-5)
+        assert grpo_advantages(huge, groups, mask, leave_one_out=loo).dtype == f32
+    assert masked_whiten(tokens, mask).abs().sum() > 0
