@@ -108,6 +108,7 @@ class PPOTrainer:
         self.ready = False
         self.stop_requested, self.stop_signal = False, ""
         self.stalled_steps = 0  # steps in a row whose every policy, or critic, optimizer step was skipped as non-finite
+        self.critic_unsaved: list[int] = []  # steps checkpointed without the critic (its Save failed)
         self.run_dir = Path(cfg.run_dir)
         self.run_lock = checkpoints.lock_run_dir(self.run_dir)  # before anything in it is read or written
         self.ops = None
@@ -482,6 +483,7 @@ class PPOTrainer:
                 critic_path = self.critic.save(critic_tag, retry=wait_for_critic)
             except RemoteError as e:  # the actor's own state is still worth keeping, with where it left the critic
                 log.error("checkpoint of step %d without the critic: %s", step, e)
+                self.critic_unsaved.append(step)
                 instance, train_step = self.servers.critic_seen
                 unsaved = {"critic_unsaved": {"error": str(e), "instance_id": instance, "train_step": train_step}}
         meta = {"step": step, "actor": str((final / "actor").resolve()), "critic": critic_path,
@@ -676,6 +678,12 @@ class PPOTrainer:
                 break
         if cfg.checkpointing.enabled and step > self.start_step and not self._checkpointed(step):
             self.save_checkpoint(step)  # stopped early by max_num_epochs
+        if self.critic_unsaved and self.critic_unsaved[-1] == step:
+            log.error("the critic's Save failed for %d checkpoint(s) of this run, the last one (step %d) included "
+                      "(the reasons are logged above): the critic's trained weights are only in the running critic "
+                      "server %s. Keep it running until they are saved (its Save with a tag of your own, once the "
+                      "cause is fixed), or they are lost; a resume from step %d needs that critic where it is now",
+                      len(self.critic_unsaved), step, cfg.critic.address, step)
         if n_print and last_batch is not None:
             self.tracker.write("samples after training:\n" + self.samples_table(last_batch, n_print))
         if cfg.logger.reward_curve_enabled:

@@ -199,6 +199,8 @@ def test_checkpoints_whose_critic_save_failed_resume_only_with_the_critic_where_
         assert "checkpoint of step 2 without the critic" in first.stderr, first.stderr[-3000:]
         assert "RESOURCE_EXHAUSTED: could not write the checkpoint" in first.stderr, first.stderr[-3000:]
         assert "File too large; nothing was saved" in first.stderr, first.stderr[-3000:]
+        assert ("the critic's Save failed for 2 checkpoint(s) of this run, the last one (step 2) included"
+                in first.stderr), first.stderr[-3000:]  # said last, where an operator reads
         assert list(ckpt.iterdir()) == []  # no .tmp-* left behind
         assert not checkpoints.holds_its_critic(run_dir / "checkpoints" / "step_2")
 
