@@ -76,7 +76,9 @@ def render() -> str:
              "(`ppo.adv_estimator.gae_gamma=0.99`, `policy.generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys.",
              ("Unknown keys and bad values stop the service at start-up with a message naming the key. A number must "
               "be finite\n(`inf` and `nan` are refused) and `true`/`false` are no numbers; a value that is not valid "
-              "YAML (one starting with\n`@`, `%` or `*`, an unclosed `[`) must be quoted: `data.prompt_key='\"@x\"'`."),
+              "YAML (one starting with\n`@`, `%` or `*`, an unclosed `[`) must be quoted: `data.prompt_key='\"@x\"'`; so must "
+              "one holding a `#` at its start\nor after a space, which YAML would read as a comment and cut "
+              "(refused, naming what would be left)."),
              ""]
     for name, usage, model in SERVICES:
         parts += [f"## `{name}`", "", f"`{usage}`", "", "| key | type | default | meaning |", "|---|---|---|---|",

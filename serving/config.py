@@ -82,10 +82,41 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
                           f"quote a string that starts with one of YAML's indicators, as in {key}='\"{raw}\"'") from None
+    if _cut_by_a_comment(raw, value):
+        raise ConfigError(f"override {override!r}: YAML reads a '#' at the start or after a space as the start of a comment, so the "
+                          f"value would be cut to {value!r}; quote the whole value to keep it, as in "
+                          f"{key}='\"{raw}\"'")
+    node[parts[-1]] = value
+
+
+_NOT_A_COMMENT = "\ue000"  # a private-use character standing in for '#' to see whether YAML dropped a comment
+
+
+def _cut_by_a_comment(raw: str, value: Any) -> bool:
+    """Whether YAML dropped a comment from override value `raw` (`system_prompt=Answer #1 first` reads as 'Answer'):
+    parsed again with every '#' replaced by a character that starts no comment, it reads otherwise. A '#' inside
+    quotes, or inside a word (`C#`), changes nothing and passes."""
+    if "#" not in raw:
+        return False
+    try:
+        again = yaml.safe_load(raw.replace("#", _NOT_A_COMMENT))
+    except yaml.YAMLError:
+        return True  # the comment hid text that is no YAML
+
+    def back(x: Any) -> Any:
+        if isinstance(x, str):
+            return x.replace(_NOT_A_COMMENT, "#")
+        if isinstance(x, list):
+            return [back(v) for v in x]
+        if isinstance(x, dict):
+            return {back(k): back(v) for k, v in x.items()}
+        return x
+
+    return back(again) != value
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:

@@ -406,6 +406,10 @@ def test_a_config_file_that_is_no_utf_8_or_no_mapping_is_refused_naming_it(tmp_p
         (["checkpointing.checkpoint_must_save_by=1:30:00"], ["checkpointing.checkpoint_must_save_by", "5400",
                                                              "quote it"]),
         (["data.prompt_key=@x"], ["data.prompt_key=@x", "not valid YAML", "quote"]),
+        # YAML's comment would cut the value silently ("Answer #1 first" read as "Answer")
+        (["data.prompt_key=Answer #1 first"], ["data.prompt_key=Answer #1 first", "cut to 'Answer'",
+                                               "data.prompt_key='\"Answer #1 first\"'"]),
+        (["policy.generation.stop_strings=[a, b] # c"], ["policy.generation.stop_strings", "cut to ['a', 'b']"]),
         # NeMo-RL's reward shaping: nothing unless enabled, one penalty at a time, DAPO's with both of its keys
         (["ppo.reward_shaping.stop_properly_penalty_coef=0"],
          ["ppo.reward_shaping.stop_properly_penalty_coef (0.0)", "ppo.reward_shaping.enabled=true"]),
@@ -422,6 +426,13 @@ def test_contradictory_settings_are_refused_naming_both_keys(overrides, keys):
         load_config(ActorConfig, None, overrides)
     for key in keys:
         assert key in str(err.value), (key, str(err.value))
+
+
+def test_a_hash_inside_quotes_or_a_word_is_kept():
+    cfg = load_config(ActorConfig, None, ['data.prompt_key="Answer #1 first"', "data.label_key=C#",
+                                          "policy.generation.stop_strings=['#', ' #x']"])
+    assert (cfg.data.prompt_key, cfg.data.label_key) == ("Answer #1 first", "C#")
+    assert cfg.policy.generation.stop_strings == ["#", " #x"]
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo", "gdpo", "reinforce_pp", "dapo"])
