@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = PPOTrainer(cfg)
-    except (RemoteError, IncompatibleServer, DataError, SecurityError, ResumeError, ModelSetupError, BadEnvironment,
+    except SecurityError as e:  # a TLS or token file that cannot be used: a config error, exit 2 as the servers'
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RemoteError, IncompatibleServer, DataError, ResumeError, ModelSetupError, BadEnvironment,
             CompileUnavailable, DeviceUnavailable, ModelNotFound, PortTaken, RunDirInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

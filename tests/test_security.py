@@ -523,5 +523,5 @@ def test_an_actor_with_a_reward_tls_file_it_cannot_use_stops_before_it_waits_for
                                           f"reward.address=127.0.0.1:{free_port()}",
                                           f"reward.tls_ca_file={pki / 'server.key'}"),
                             check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and f"reward.tls_ca_file {pki / 'server.key'} holds no PEM certificate" in \
+    assert result.returncode == 2 and f"reward.tls_ca_file {pki / 'server.key'} holds no PEM certificate" in \
         result.stderr, result.stderr[-2000:]
