@@ -8,13 +8,14 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
 import httpx
+import numpy as np
 import torch
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 # rewards float32 [B] and named components {name: float32 [B]}
 Scores = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
+
+
+def as_sent(metrics: Mapping[str, float]) -> dict[str, float]:
+    """A Train reply's metrics (float32 on the wire) as the shortest decimals that are those float32 values: a
+    learning rate of 1e-4 reads 1e-4, not 9.999999747378752e-05."""
+    return {k: float(str(np.float32(v))) for k, v in metrics.items()}
 
 class RemoteError(RuntimeError):
     """A remote call failed; the message names the server, the call and the gRPC status (`code`, where the server
@@ -311,7 +318,7 @@ class CriticClient(_ServerClient):
                                       old_values=encode(old_values.float()), mask=encode(mask.float()),
                                       value_clip=value_clip, loss_scale=loss_scale, request_id=request_id,
                                       epochs=epochs)
-        return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, dict(r.metrics), r.train_step, r.instance_id),
+        return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, as_sent(r.metrics), r.train_step, r.instance_id),
                         f"{self.what} Train", self.cfg, "critic", retry=bool(request_id))
 
     def save(self, tag: str, retry: bool = True) -> str:

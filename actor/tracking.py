@@ -33,14 +33,25 @@ class Timers:
         finally:
             self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
+    @contextmanager
+    def only(self, name: str):
+        """Time the block as `name` alone: timers run inside it are not counted (validation's generation is
+        validation's time, not the step's `generate`, which the breakdown adds to it)."""
+        saved, start = dict(self.totals), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals = saved
+            self.totals[name] = saved.get(name, 0.0) + time.perf_counter() - start
+
     def pop(self) -> dict[str, float]:
         out = {f"timers/{k}": v for k, v in self.totals.items()}
         self.totals = {}
         return out
 
 
-# (label, timers summed) of the step-time breakdown; "other" is the rest of the step (checkpoints, metrics, the
-# advantage computation, Python between phases)
+# (label, timers summed) of the step-time breakdown; "other" is the rest of the step (metrics, the advantage
+# computation, Python between phases). A checkpoint is written after its step's row, outside the step's time.
 PHASES = (
     ("generation", ("generate",)),
     ("log-probs", ("logprobs", "init_logprobs")),
@@ -87,6 +98,20 @@ def _readable_rows(path: Path) -> list[dict]:
     return rows
 
 
+# metric -> (Prometheus gauge, help) on the actor's /metrics
+GAUGES = {
+    "step": ("ppo_actor_step", "Last finished PPO step"),
+    "train_rollouts/rewards": ("ppo_actor_reward_mean", "Mean reward of the last step's rollouts"),
+    "train_rollouts/init_policy_kl": ("ppo_actor_init_policy_kl", "KL to the reference policy"),
+    "train_optim/loss": ("ppo_actor_loss", "Actor loss of the last step"),
+    "critic/loss": ("ppo_actor_critic_loss", "Critic loss of the last step"),
+    "timers/step_time": ("ppo_actor_step_seconds", "Wall-clock seconds of the last step"),
+    "async/buffer_size": ("ppo_actor_async_buffer_size", "Groups left in the async replay buffer"),
+    "async/trajectory_age_max": ("ppo_actor_async_trajectory_age_max", "Oldest trained group's age in steps"),
+    "async/evictions": ("ppo_actor_async_evictions", "Groups evicted as too old in the last step"),
+}
+
+
 class MetricsTracker:
     def __init__(self, run_dir: Path, total_steps: int, registry: CollectorRegistry, tensorboard: bool = True,
                  resume_step: int | None = None):
@@ -101,20 +126,17 @@ class MetricsTracker:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
             tmp.replace(path)
         self.jsonl = path.open("a" if resume_step is not None else "w", encoding="utf-8")
-        self.tb = SummaryWriter(str(run_dir / "tensorboard")) if tensorboard else None
+        # a resumed run hides the events a crashed attempt wrote past its checkpoint, as metrics.jsonl drops its rows
+        purge = None if resume_step is None else resume_step + 1
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge) if tensorboard else None
         self.bar = tqdm(total=total_steps, initial=resume_step or 0, desc="ppo", unit="step", dynamic_ncols=True)
         self.history: list[dict] = [{k: (float("nan") if v is None else v) for k, v in r.items()} for r in kept]
-        self.gauges = {
-            "step": Gauge("ppo_actor_step", "Last finished PPO step", registry=registry),
-            "train_rollouts/rewards": Gauge("ppo_actor_reward_mean", "Mean reward of the last step's rollouts", registry=registry),
-            "train_rollouts/init_policy_kl": Gauge("ppo_actor_init_policy_kl", "KL to the reference policy", registry=registry),
-            "train_optim/loss": Gauge("ppo_actor_loss", "Actor loss of the last step", registry=registry),
-            "critic/loss": Gauge("ppo_actor_critic_loss", "Critic loss of the last step", registry=registry),
-            "timers/step_time": Gauge("ppo_actor_step_seconds", "Wall-clock seconds of the last step", registry=registry),
-            "async/buffer_size": Gauge("ppo_actor_async_buffer_size", "Groups left in the async replay buffer", registry=registry),
-            "async/trajectory_age_max": Gauge("ppo_actor_async_trajectory_age_max", "Oldest trained group's age in steps", registry=registry),
-            "async/evictions": Gauge("ppo_actor_async_evictions", "Groups evicted as too old in the last step", registry=registry),
-        }
+        # each gauge is registered with the first value it gets: a run without a critic, or a synchronous one, exports
+        # no critic or async series at all, rather than a 0 that reads as a perfect critic or an empty buffer
+        self.registry, self.gauges = registry, {}
+        # but for the step, which exists from the start: the last finished one (0 before any, as a resume found it)
+        self.gauges["step"] = Gauge(*GAUGES["step"], registry=registry)
+        self.gauges["step"].set(resume_step or 0)
         # per-step counts (what ran since the previous row) summed into Prometheus counters, for rate()
         self.counters = {f"generation/{name}": Counter(f"ppo_actor_generation_{name}", what, registry=registry)
                          for name, what in GENERATION_COUNTS.items()}
@@ -128,7 +150,9 @@ class MetricsTracker:
         for k, v in record.items():
             if self.tb is not None and k != "step" and math.isfinite(v):
                 self.tb.add_scalar(k, v, step)
-            if k in self.gauges:
+            if k in GAUGES:
+                if k not in self.gauges:
+                    self.gauges[k] = Gauge(*GAUGES[k], registry=self.registry)
                 self.gauges[k].set(v)
             elif k in self.counters and v > 0:
                 self.counters[k].inc(v)

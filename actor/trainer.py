@@ -420,7 +420,6 @@ class PPOTrainer:
             **{f"train_rollouts/{k}": float(v.mean()) for k, v in batch.components.items()},
             **self.episode_metrics(mask),
             **{f"train_optim/{k}": float(v) for k, v in is_metrics.items()},
-            **self.rollouts.metrics(),
         })
         if critic is not None:
             self.servers.critic_at(critic)
@@ -447,7 +446,7 @@ class PPOTrainer:
         """Generation on the first ppo.max_val_samples validation prompts (greedy unless val_temperature > 0).
         Rewards are as the reward source gives them (no scaling or shaping), averaged over samples; lengths are
         response tokens averaged over samples."""
-        with self.timers("validation_time"):
+        with self.timers.only("validation_time"):
             batch = self.collector.generate(self.val_prompts, self.val_sampling, seed=0,
                                             batch_size=self.cfg.ppo.val_batch_size, train=False)
         r = batch.rollout
@@ -657,9 +656,11 @@ class PPOTrainer:
             if step == self.start_step + 1 and n_print:
                 self.tracker.write(f"samples before training (step {step}):\n" + self.samples_table(last_batch, n_print))
             out_of_time = ck_by is not None and time.monotonic() - started >= ck_by
-            last = step == p.max_num_steps or self.stop_requested or out_of_time
+            last = (step == p.max_num_steps or self.stop_requested or out_of_time
+                    or self.sampler.finished_epochs >= p.max_num_epochs)
             if (p.val_period and step % p.val_period == 0) or (last and p.val_at_end):
                 metrics.update(self.validate())
+            metrics.update(self.rollouts.metrics())  # generation/*: this step's decode work, its validation's too
             metrics.update(self.timers.pop())
             metrics["timers/step_time"] = time.perf_counter() - start
             self.tracker.write(step_breakdown(step, metrics))
@@ -667,8 +668,9 @@ class PPOTrainer:
             self.tracker.log(step, metrics)
             ck = cfg.checkpointing
             if ck.enabled and (last or (ck.save_period and step % ck.save_period == 0)):
+                written = time.perf_counter()  # after the step's row: not part of its step_time
                 path = self.save_checkpoint(step, metrics)
-                self.tracker.write(f"step {step}: checkpoint {path}")
+                self.tracker.write(f"step {step}: checkpoint {path} ({time.perf_counter() - written:.2f} s)")
             if self.stop_requested:
                 self.tracker.write(f"stopping after step {step} ({self.stop_signal})")
                 break

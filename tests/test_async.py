@@ -264,16 +264,22 @@ def test_the_example_config_learns_and_stops_at_the_end_of_its_data_with_groups_
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(embedded_assets.prompts_train.read_text().splitlines(keepends=True)[:128]))
     run = run_actor(tmp_path / "run", reward, "ppo.max_num_steps=20", "ppo.max_num_epochs=1", "ppo.val_period=0",
-                    "logger.num_val_samples_to_print=0", "checkpointing.save_period=0", f"data.train_file={data}")
+                    "ppo.val_at_end=true", "ppo.max_val_samples=8", "logger.num_val_samples_to_print=0",
+                    "checkpointing.save_period=0", "checkpointing.metric_name=val/rewards", f"data.train_file={data}",
+                    f"data.val_file={data}")
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 9))
+    # the data ran out at step 8: that is the last step, validated (ppo.val_at_end) and checkpointed with its metrics
+    assert [r["step"] for r in rows if "val/rewards" in r] == [8]
     assert "stopping before step 9: ppo.max_num_epochs=1" in run.stderr + run.stdout
     assert all(r["async/trajectory_age_max"] <= 1 and r["async/evictions"] == 0 for r in rows)
     assert max(r["async/trajectory_age_mean"] for r in rows) == 1  # it did run ahead
     assert rows[-1]["consumed_samples"] == 128
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_8" / "checkpoint.json").read_text())
     assert state["consumed_samples"] == 128 and state["epoch"] == 0
+    trainer_state = json.loads((tmp_path / "run" / "checkpoints" / "step_8" / "trainer_state.json").read_text())
+    assert trainer_state["metric"] == rows[-1]["val/rewards"]  # ranked by its validation, as any last step
     truth = [r["train_rollouts/reward/positive_fraction"] for r in rows]
     assert sum(truth[-2:]) / 2 - truth[0] >= 0.1, truth
 
