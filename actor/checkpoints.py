@@ -147,9 +147,10 @@ _FREE_TO_CHANGE = ("run_dir", "host", "http_port", "auth_token_file", "num_threa
                    "ppo.max_val_samples", "policy.device")
 
 
-def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def changed_settings(saved: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
     """`key (was A, now B)` for each setting in which the config a checkpoint was saved with differs from this run's,
-    other than those a resume may change freely."""
+    other than those a resume may change freely. A key the saved config lacks (added by a later version) counts as
+    changed only where this run's value is not its default (`defaults`: the config model's, same layout)."""
 
     def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -159,9 +160,11 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
     if not saved:  # a checkpoint that predates saving its config
         return []
-    a, b = flat(saved), flat(now)
-    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not k.startswith(_FREE_TO_CHANGE))
-    return [f"{k} (was {a.get(k)!r}, now {b.get(k)!r})" for k in keys]
+    a, b, d = flat(saved), flat(now), flat(defaults or {})
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not k.startswith(_FREE_TO_CHANGE)
+                  and not (k not in a and k in d and b.get(k) == d[k]))
+    return [f"{k} (was {a[k]!r}, now {b.get(k)!r})" if k in a else f"{k} (not in the checkpoint's config, now "
+            f"{b.get(k)!r})" for k in keys]
 
 
 WEIGHTS_CRC32 = checksums.CRC32_KEY  # trainer_state.json's record of the checkpoint's files as written

@@ -516,7 +516,8 @@ class PPOTrainer:
         """Continue from a checkpoint: optimizer, data position, random states, KL coefficient, and the critic
         returned to its checkpoint of the same step. Returns the step the checkpoint finished."""
         state, optimizer, rng = checkpoints.read_state(directory)
-        if changed := checkpoints.changed_settings(state.get("config", {}), self.cfg.model_dump(mode="json")):
+        if changed := checkpoints.changed_settings(state.get("config", {}), self.cfg.model_dump(mode="json"),
+                                                   type(self.cfg).model_construct().model_dump(mode="json")):
             log.warning("resuming %s with settings that differ from those it was saved with: %s; the steps from "
                         "here are not those of an uninterrupted run", directory, "; ".join(changed))
         checkpoints.load_optimizer_state(self.optimizer, optimizer, state, directory,

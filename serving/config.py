@@ -235,8 +235,12 @@ def parse_cli(
             parser.add_argument(flag, dest=key.replace(".", "__"), default=None, help=f"{help_text} (config key `{key}`)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted config overrides, e.g. num_threads=2 (every service has it)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and KEY=VALUE overrides in any order
     overrides = [f"{key}={v}" for key, _ in flags.values() if (v := getattr(args, key.replace(".", "__"))) is not None]
+    given = {o.partition("=")[0] for o in args.overrides}
+    for flag, (key, _) in flags.items():
+        if key in given and getattr(args, key.replace(".", "__")) is not None:
+            parser.exit(2, f"error: {flag} and {key}=... both set config key {key}: give it once\n")
     try:
         cfg = load_config(model, args.config, [*args.overrides, *overrides])
     except ConfigError as e:

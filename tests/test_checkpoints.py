@@ -104,3 +104,9 @@ def test_a_resume_names_the_settings_that_differ_from_the_checkpoint_s():
                                             "policy.model_name (was 'embedded:policy', now './other')",
                                             "ppo.seed (was 42, now 3)"]
     assert changed_settings(saved, saved) == [] and changed_settings({}, now) == []
+    # a key a later version added, missing from the saved config: a change only where this run sets it otherwise
+    defaults, older = ActorConfig.model_construct().model_dump(mode="json"), ActorConfig().model_dump(mode="json")
+    del older["env"]["step_timeout_s"]
+    assert changed_settings(older, saved, defaults) == []
+    assert changed_settings(older, ActorConfig(env={"step_timeout_s": 5}).model_dump(mode="json"), defaults) == \
+        ["env.step_timeout_s (not in the checkpoint's config, now 5.0)"]

@@ -523,3 +523,19 @@ def test_a_key_given_twice_in_a_config_file_is_refused_with_its_line(tmp_path):
     # a merge key's mapping may be overridden by the mapping's own keys, as YAML intends
     merged = yaml.load("a: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n", Loader=_UniqueKeyLoader)
     assert merged == {"a": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2}}
+
+
+def test_flags_and_overrides_mix_in_any_order_and_a_key_given_twice_is_refused(tmp_path, capsys):
+    """`--config f run_dir=X --http-port 0 ppo.max_num_steps=3` was 'unrecognized arguments: ppo.max_num_steps=3'
+    (argparse took the overrides only before the first flag after them); a flag and its key both given let the flag
+    win silently."""
+    from actor.__main__ import FLAGS
+    from serving.config import parse_cli
+
+    cfg = parse_cli(ActorConfig, ["--config", str(ROOT / "configs" / "ppo.yaml"), f"run_dir={tmp_path / 'a'}",
+                                  "--http-port", "0", "ppo.max_num_steps=3"], "test", FLAGS, writes=("run_dir",))
+    assert (cfg.run_dir, cfg.http_port, cfg.ppo.max_num_steps) == (str(tmp_path / "a"), 0, 3)
+    with pytest.raises(SystemExit) as e:
+        parse_cli(ActorConfig, ["--run-dir", str(tmp_path / "a"), f"run_dir={tmp_path / 'b'}"], "test", FLAGS)
+    assert e.value.code == 2
+    assert "--run-dir and run_dir=... both set config key run_dir: give it once" in capsys.readouterr().err
