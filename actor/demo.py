@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{name} server {e}; see its log above") from None
         actor = [sys.executable, "-m", "actor", "--config", str(Path(args.config).resolve()), "--http-port", "0",
                  f"critic.address=127.0.0.1:{ports['critic'][0]}", f"reward.address=127.0.0.1:{ports['reward'][0]}",
-                 *actor_threads, *args.overrides]
+                 *actor_threads, "checkpointing.resume=never", *args.overrides]  # each demo trains from scratch
         print(f"starting actor: {' '.join(actor[1:])}", flush=True)
         # in the caller's directory, as `python -m actor` there: relative paths and a `module:Class` environment of
         # theirs resolve as they would without the demo

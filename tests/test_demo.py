@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.service_procs import ROOT
 
 
@@ -36,6 +38,16 @@ def test_demo_learns_and_cleans_up(embedded_cache, tmp_path):
     assert "needs no critic" not in out  # PPO's critic server was started, and said so
     assert "starting critic server" in out
     assert elapsed < 300, f"the demo took {elapsed:.0f} s; the budget is 5 minutes on 2 CPU cores"
+
+    # Run again, it trains again from scratch (it resumed the finished run, trained nothing and printed the old
+    # summary): its first step is the first run's, the critic returned to where the run first found it.
+    again = subprocess.run([sys.executable, "-m", "actor.demo", f"run_dir={run_dir}", "ppo.max_num_steps=2"],
+                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
+    rerun = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rerun] == [1, 2]
+    for key in ("train_rollouts/rewards", "critic/loss", "train_optim/loss"):
+        assert rerun[0][key] == pytest.approx(rows[0][key], rel=1e-5, abs=1e-7), key
 
 
 def test_the_demo_starts_a_critic_only_where_the_algorithm_needs_one(capsys):
