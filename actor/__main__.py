@@ -46,6 +46,7 @@ def _under(path: object, directory: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per reward POST (reward.source=openrlhf) otherwise
     cfg = parse_cli(ActorConfig, argv, "PPO actor: trains the policy against remote critic and reward servers.", FLAGS,
                     writes=("run_dir",))
     # torch and transformers only now: a config error above exits at once, not after seconds of imports

@@ -212,6 +212,9 @@ def unreachable_reason(e: grpc.RpcError) -> str:
         return "no answer (a firewall dropping packets, or a server too busy to answer)"
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return f"a gRPC server answers on that port, but not one of ours ({details})"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (f"{code.name}: {details}: the server wants its bearer token; give the actor the same token file "
+                f"(auth_token_file, --auth-token-file, or $PPO_SERVICES_AUTH_TOKEN holding the token)")
     return f"{code.name}: {details}"
 
 

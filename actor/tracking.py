@@ -160,9 +160,9 @@ class MetricsTracker:
             self.tb.flush()
         if step > 0:  # step 0 is validation before training
             self.bar.update(1)
-        self.bar.set_postfix(reward=f"{record.get('train_rollouts/rewards', float('nan')):.3f}",
-                             kl=f"{record.get('train_rollouts/init_policy_kl', float('nan')):.3f}",
-                             critic=f"{record.get('critic/loss', float('nan')):.3f}")
+        shown = {"reward": "train_rollouts/rewards", "kl": "train_rollouts/init_policy_kl", "critic": "critic/loss"}
+        # what the run has: no critic=nan on a run without a critic (NaN reads as a failure)
+        self.bar.set_postfix({name: f"{record[key]:.3f}" for name, key in shown.items() if key in record})
 
     def write(self, text: str) -> None:
         """Print above the progress bar."""

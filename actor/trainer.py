@@ -544,9 +544,17 @@ class PPOTrainer:
                 except RemoteError as e:
                     if e.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                         raise
+                    way_on = self._earlier_checkpoint(directory, state["step"])
+                    if e.code == grpc.StatusCode.NOT_FOUND and state.get("critic"):
+                        # the critic restarted on another checkpoint_dir (a new volume): the way on may be to point
+                        # it at the old one, which the checkpoint records, rather than give up the step
+                        way_on = (f"the critic's checkpoint was written to {state['critic']}: if the critic server "
+                                  f"now uses another checkpoint_dir, restart it with --checkpoint-dir "
+                                  f"{Path(state['critic']).parent} (or copy that checkpoint into its own) and resume "
+                                  f"again; otherwise {way_on}")
                     raise checkpoints.ResumeError(
                         f"{directory}: the critic server {self.cfg.critic.address} cannot return to its checkpoint of "
-                        f"that step ({e}); {self._earlier_checkpoint(directory, state['step'])}") from None
+                        f"that step ({e}); {way_on}") from None
                 self.servers.critic_returned_to(train_step)
                 log.info("the critic returned to %s (train step %d)", path, train_step)
         log.info("resuming after step %d from %s (%d samples consumed)", state["step"], directory,

@@ -248,6 +248,8 @@ def test_a_resume_whose_servers_cannot_take_it_stops_naming_the_way_on(reward, l
     assert lost.returncode == 1 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
     assert "cannot return to its checkpoint of that step" in lost.stderr and "NOT_FOUND" in lost.stderr
     assert f"resume from {run_dir / 'checkpoints' / 'step_1'}, the newest earlier checkpoint" in lost.stderr
+    # the way on when the critic came back on another checkpoint_dir (a new volume): point it at the old one
+    assert f"restart it with --checkpoint-dir {(tmp_path / 'ck').resolve()} (or copy that checkpoint" in lost.stderr
 
 
 def test_a_critic_that_freezes_behind_its_address_is_replaced_without_waiting_for_the_call_deadline(reward, log_dir,

@@ -509,6 +509,7 @@ def test_an_actor_without_the_token_is_refused_and_with_it_trains(embedded_cache
         refused = subprocess.run(actor_command("grpo", tmp_path / "a", *base), check=False, cwd=ROOT,
                                  capture_output=True, text=True, timeout=300)
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr, refused.stderr[-2000:]
+        assert "give the actor the same token file (auth_token_file" in refused.stderr, refused.stderr[-2000:]
         ok = subprocess.run([*actor_command("grpo", tmp_path / "b", *base), "--auth-token-file", str(pki / "token")],
                             check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert ok.returncode == 0, ok.stderr[-2000:]
