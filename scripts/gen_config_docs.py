@@ -73,8 +73,8 @@ def render() -> str:
     parts = ["# Configuration reference", "",
              "Generated from the config models by `python scripts/gen_config_docs.py`; do not edit by hand.",
              "Every service reads an optional YAML file (`--config FILE`) and dotted command-line overrides",
-             "(`ppo.adv_estimator.gae_gamma=0.99`, `policy.generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys,\n"
-             "in any order with the overrides (a flag and its own key given together are refused).",
+             ("(`ppo.adv_estimator.gae_gamma=0.99`, `policy.generation.stop_token_ids=[5,7]`); flags such as `--port` are shorthands for keys,\n"
+             "in any order with the overrides (a flag and its own key given together are refused)."),
              ("Unknown keys and bad values stop the service at start-up with a message naming the key. A number must "
               "be finite\n(`inf` and `nan` are refused) and `true`/`false` are no numbers; a value that is not valid "
               "YAML (one starting with\n`@`, `%` or `*`, an unclosed `[`) must be quoted: `data.prompt_key='\"@x\"'`; so must "
