@@ -62,7 +62,7 @@ class RewardConfig(RemoteConfig):
 
 
 class CriticConfig(RemoteConfig):
-    address: str = Field("127.0.0.1:5555", min_length=1, description="host:port of the critic server (used only by estimators that need values: gae).")
+    address: str = Field("127.0.0.1:5555", min_length=1, description="host:port of the critic server: used by estimators that need values (gae), and for the rewards with reward.source=critic (a combined critic).")
     ppo_epochs: int = Field(1, ge=1, le=64, description="Critic passes over each step's batch (Train's epochs). Independent of ppo.ppo_epochs: the default 1 trains the critic once a step however many epochs the policy takes; set it equal to ppo.ppo_epochs to train the critic every epoch, as TRL trains its value model.")
 
 

@@ -50,6 +50,17 @@ def plain(ann) -> str:
     return f"{getattr(origin, '__name__', str(origin))}[{', '.join(plain(a) for a in typing.get_args(ann))}]"
 
 
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+def bounds(field) -> str:
+    """The numeric limits a field's validation enforces (`ge=1` -> ` (>= 1)`), so the table states what the
+    error would; empty for a field without any."""
+    found = [f"{sign} {getattr(m, name)!r}" for m in field.metadata for name, sign in _BOUNDS
+             if getattr(m, name, None) is not None]
+    return f" ({', '.join(found)})" if found else ""
+
+
 def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
     out = []
     for name, field in model.model_fields.items():
@@ -62,7 +73,7 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
         if default is PydanticUndefined:
             default = field.default_factory() if field.default_factory else "(required)"
         desc = (field.description or "").replace("|", "\\|")
-        out.append(f"| `{key}` | {type_text(ann)} | `{default!r}` | {desc} |")
+        out.append(f"| `{key}` | {type_text(ann)}{bounds(field)} | `{default!r}` | {desc} |")
         # an optional section (null by default): its keys, which apply once it is set
         out += [r for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)
                 for r in rows(a, f"{key}.")]

@@ -63,7 +63,7 @@ SECURITY_FLAGS = {
     "--allow-insecure": ("allow_insecure", "listen beyond loopback without a token or TLS anyway"),
     "--tls-cert-file": ("tls_cert_file", "PEM certificate chain: serve over TLS"),
     "--tls-key-file": ("tls_key_file", "PEM private key of the certificate"),
-    "--tls-client-ca-file": ("tls_client_ca_file", "PEM CA: gRPC clients must present a certificate it signed"),
+    "--tls-client-ca-file": ("tls_client_ca_file", "PEM CA: gRPC clients, and REST clients but for the probes, must present a certificate it signed"),
 }
 SECURITY_SWITCHES = frozenset({"allow_insecure"})
 
