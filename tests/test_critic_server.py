@@ -320,6 +320,7 @@ def test_an_optimizer_state_that_needs_pickle_stops_the_critic_with_the_file_nam
     shutil.copytree(saved, tampered)
     # Any global outside torch's weights_only allowlist would run arbitrary code under a full unpickle.
     torch.save({"state": {}, "param_groups": [], "extra": argparse.Namespace(x=1)}, tampered / "optimizer.pt")
+    _as_written_before_sums(tampered)  # else its recorded CRC-32 refuses the changed file before it is read
     result = subprocess.run([sys.executable, "-m", "critic_server", "--port", "0", "--http-port", "0",
                              "--model", str(tampered)], check=False, cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
