@@ -68,6 +68,8 @@ def add_reward_routes(service: RewardService) -> None:
         code = grpc.StatusCode.OK
         try:
             worker = service.require_ready()
+            service.core.check_rows(query=len(body.query), prompts=len(body.prompts or []),
+                                    labels=len(body.labels or []))
             for field in ("query", "prompts"):
                 for i, text in enumerate(getattr(body, field) or []):
                     _check_unicode(text, f"{field}[{i}]")

@@ -32,6 +32,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     @rpc_method("Score")
     async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:
         worker = self.service.require_ready()
+        self.core.check_rows(texts=len(request.texts), conversations=len(request.conversations),
+                             prompts=len(request.prompts), labels=len(request.labels))
         inp = await self.service.validated(
             tokens=optional(request, "tokens"),
             lengths=optional(request, "lengths"),
