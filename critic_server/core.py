@@ -645,12 +645,15 @@ def checkpoints_newest_first(root: Path) -> tuple[list[Path], list[Path]]:
         return [], []
     ours, unplaced = [], []
     for entry in root.iterdir():
-        if entry.is_symlink() or not entry.is_dir() or entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
-            continue
-        if (saved_at := _saved_at(entry)) is not None:
-            ours.append((saved_at, entry.name, entry))
-        elif (entry / OPTIMIZER_FILE).is_file():
-            unplaced.append(entry)
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+                continue
+            if (saved_at := _saved_at(entry)) is not None:
+                ours.append((saved_at, entry.name, entry))
+            elif (entry / OPTIMIZER_FILE).is_file():
+                unplaced.append(entry)
+        except OSError as e:  # a directory this process may not read: passed over, not a crash loop at every start
+            log.error("%s cannot be read (%s): passed over as a checkpoint", entry, e.strerror or e)
     return [entry for _, _, entry in sorted(ours, reverse=True)], sorted(unplaced)
 
 

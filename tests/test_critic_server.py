@@ -1144,3 +1144,26 @@ def test_a_critic_serves_openrlhf_checkpoints_and_saves_them_in_transformers_lay
         raw = infer(critic_pb2_grpc.CriticServiceStub(ch), tokens, lengths)
         ch.close()
     torch.testing.assert_close(raw, scores, atol=1e-5, rtol=1e-5)
+
+
+def test_a_checkpoint_directory_the_critic_may_not_read_is_passed_over(stub, log_dir, tmp_path):
+    """A directory of checkpoint_dir the process may not read (mode 000; as root, under setpriv without the
+    capabilities that override file modes) crash-looped the critic with a PermissionError traceback at every
+    start; now it is named, passed over, and the newest readable checkpoint resumed."""
+    ckpt = tmp_path / "ckpt"
+    saved = Path(stub.Save(critic_pb2.SaveRequest(tag="readable"), timeout=120).path)
+    shutil.copytree(saved, ckpt / "readable")
+    locked = ckpt / "zz-locked"
+    locked.mkdir()
+    locked.chmod(0)
+    server = ServiceProcess("critic", "--checkpoint-dir", str(ckpt), log_dir=log_dir)
+    if os.geteuid() == 0:
+        server.argv = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                       "--bounding-set=-dac_override,-dac_read_search", *server.argv]
+    try:
+        with server, channel(server.address) as ch:
+            info = _info(critic_pb2_grpc.CriticServiceStub(ch))
+            assert info.model == str((ckpt / "readable").resolve())
+        assert f"{locked} cannot be read (Permission denied): passed over as a checkpoint" in server.log()
+    finally:
+        locked.chmod(0o755)
