@@ -552,6 +552,7 @@ class CriticCore:
         self.model.load_state_dict(saved)
         self._apply_training_state(*training_state)
         self.source, self.unsaved = str(path.resolve()), False
+        mark_loaded(path)
         log.info("returned to checkpoint %s at train step %d", path, self.train_step)
         return str(path.resolve()), self.train_step
 
@@ -658,13 +659,31 @@ def checkpoints_newest_first(root: Path) -> tuple[list[Path], list[Path]]:
 
 
 def _saved_at(directory: Path) -> float | None:
-    """The write time a checkpoint of this server recorded, or None if the directory is not one."""
+    """When a checkpoint of this server last became the critic's state: written, or returned to by a Load (its
+    `loaded_at`, so that a restart after an actor's resume comes back where the Load put the critic, not on the
+    newer checkpoints of the attempt the resume abandoned); None if the directory is not one."""
     try:
-        saved_at = json.loads((directory / STATE_FILE).read_text())["saved_at"]
-    except (OSError, ValueError, KeyError, TypeError):
+        state = json.loads((directory / STATE_FILE).read_text())
+        times = [state["saved_at"], state.get("loaded_at", state["saved_at"])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    ok = isinstance(saved_at, (int, float)) and not isinstance(saved_at, bool) and math.isfinite(saved_at)
-    return float(saved_at) if ok else None
+    ok = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in times)
+    return float(max(times)) if ok else None
+
+
+def mark_loaded(checkpoint: Path) -> None:
+    """Record in the checkpoint's critic_state.json that a Load returned the critic to it (`loaded_at`), replaced
+    whole; a failure to write it is logged (a restart before the next checkpoint may then resume a newer one)."""
+    file = checkpoint / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+        state["loaded_at"] = time.time()
+        tmp = file.with_name(f"{STATE_FILE}.tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(file)
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("could not record the Load in %s (%s): a restart before the next checkpoint resumes the newest "
+                    "one by write time", file, e)
 
 
 def weights_misfit(saved: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> str | None:

@@ -1167,3 +1167,27 @@ def test_a_checkpoint_directory_the_critic_may_not_read_is_passed_over(stub, log
         assert f"{locked} cannot be read (Permission denied): passed over as a checkpoint" in server.log()
     finally:
         locked.chmod(0o755)
+
+
+def test_a_critic_restarted_after_a_load_resumes_the_checkpoint_it_returned_to(embedded_cache, log_dir, tmp_path):
+    """An actor's resume Loads the critic back to step 1; the critic then restarts before it trains again. It came
+    back on the newest checkpoint by write time (step 2 of the attempt the resume abandoned), so the run found a
+    critic one step ahead, stopped as if another client had trained it, and failed every restart after."""
+    ckpt, (tokens, lengths) = tmp_path / "ckpt", batch(44)
+    args = ("--checkpoint-dir", str(ckpt))
+    with ServiceProcess("critic", *args, log_dir=log_dir) as first, channel(first.address) as ch:
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        stub.Train(_with_id(train_request(tokens, 2.0), "run-x/1/0"), timeout=120)
+        one = stub.Save(critic_pb2.SaveRequest(tag="run-x-step_1"), timeout=120)
+        stub.Train(_with_id(train_request(tokens, 5.0), "run-x/2/0"), timeout=120)
+        stub.Save(critic_pb2.SaveRequest(tag="run-x-step_2"), timeout=120)
+        stub.Load(critic_pb2.LoadRequest(tag="run-x-step_1"), timeout=120)
+        values = infer(stub, tokens, lengths)
+    with ServiceProcess("critic", *args, log_dir=log_dir) as second, channel(second.address) as ch:
+        stub = critic_pb2_grpc.CriticServiceStub(ch)
+        info = _info(stub)
+        assert info.train_step == one.train_step and info.model == str((ckpt / "run-x-step_1").resolve())
+        torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=1e-6, rtol=1e-6)
+        # the Load's window came back too: step 2's id is unknown again, and trains
+        assert stub.Train(_with_id(train_request(tokens, 5.0), "run-x/2/0"), timeout=120).train_step == \
+            one.train_step + 1
