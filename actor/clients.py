@@ -324,12 +324,13 @@ class CriticClient(_ServerClient):
         return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, as_sent(r.metrics), r.train_step, r.instance_id),
                         f"{self.what} Train", self.cfg, "critic", retry=bool(request_id))
 
-    def save(self, tag: str, retry: bool = True) -> str:
-        """Checkpoint the critic; returns the directory written on the server. With `retry`, retried through an
-        outage like the idempotent calls: a Save of the same tag writes the same checkpoint again (a critic that
-        restarted in between writes the state it resumed, which the next step's restart check reports)."""
-        return retrying(self.stub.Save, critic_pb2.SaveRequest(tag=tag), lambda r: r.path, f"{self.what} Save",
-                        self.cfg, "critic", retry=retry).result()
+    def save(self, tag: str, retry: bool = True) -> tuple[str, int]:
+        """Checkpoint the critic; returns (the directory written on the server, the train step it holds). With
+        `retry`, retried through an outage like the idempotent calls: a Save of the same tag writes the same
+        checkpoint again (a critic that restarted in between writes the state it resumed: the caller compares the
+        train step with the one it left the critic at)."""
+        return retrying(self.stub.Save, critic_pb2.SaveRequest(tag=tag), lambda r: (r.path, r.train_step),
+                        f"{self.what} Save", self.cfg, "critic", retry=retry).result()
 
     def load(self, tag: str) -> tuple[str, int]:
         """Return the critic to its checkpoint `tag`; returns (path, train_step). Retried through an outage (a Load

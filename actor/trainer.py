@@ -478,12 +478,18 @@ class PPOTrainer:
         self.models.save(tmp, self.tokenizer)
         critic_tag, critic_path, unsaved = f"{self.run_id}-step_{step}", None, {}  # the run's namespace on the critic
         if self.critic is not None:
+            instance, train_step = self.servers.critic_seen
             try:
-                critic_path = self.critic.save(critic_tag, retry=wait_for_critic)
+                critic_path, saved_step = self.critic.save(critic_tag, retry=wait_for_critic)
+                if saved_step != train_step:  # it restarted (its Save retried on the new process) and lost steps
+                    raise RemoteError(
+                        f"the critic server {self.cfg.critic.address} restarted before this Save and resumed at "
+                        f"train step {saved_step}, where this run had left it at {train_step}: its checkpoint "
+                        f"{critic_path} does not hold this step's critic")
             except RemoteError as e:  # the actor's own state is still worth keeping, with where it left the critic
                 log.error("checkpoint of step %d without the critic: %s", step, e)
                 self.critic_unsaved.append(step)
-                instance, train_step = self.servers.critic_seen
+                critic_path = None
                 unsaved = {"critic_unsaved": {"error": str(e), "instance_id": instance, "train_step": train_step}}
         meta = {"step": step, "actor": str((final / "actor").resolve()), "critic": critic_path,
                 "consumed_samples": self.sampler.consumed, "epoch": self.sampler.epoch, "kl_coef": self.kl_coef}

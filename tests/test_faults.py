@@ -177,6 +177,43 @@ def test_a_critic_that_restarts_from_scratch_is_reported_with_the_steps_it_lost(
     assert lost == [("0", str(int(last_old)), str(int(last_old)))], (lost, last_old)
 
 
+def test_a_critic_that_restarts_as_the_last_checkpoint_is_saved_is_not_paired_with_it(reward, log_dir, tmp_path):
+    """The critic (no autosave) dies just before the run's final Save and comes back from the run's start: the Save,
+    retried on the new process, wrote a critic at train step 0 under the step's tag, and the run ended with exit 0
+    saying nothing, its last checkpoint paired with an untrained critic. Now that checkpoint records the critic as
+    unsaved, and the run's last line says so."""
+    ckpt, run_dir = tmp_path / "critic-ckpt", tmp_path / "run"
+    critic = ServiceProcess("critic", "--checkpoint-dir", str(ckpt), log_dir=log_dir)
+    plain = list(critic.argv)
+    # its second Save (the first is the run's start, <run_id>-step_0) kills it, as an OOM or a node loss would
+    critic.argv[1:3] = [str(ROOT / "tests" / "inject.py"), "critic_server.core:CriticCore.save:2", "critic_server"]
+    critic.start()
+    restarted: list[ServiceProcess] = []
+
+    def supervise() -> None:  # a supervisor bringing it back, on the same ports and checkpoint_dir
+        critic.proc.wait(timeout=300)
+        again = ServiceProcess("critic", log_dir=log_dir, grpc_port=critic.grpc_port, http_port=critic.http_port)
+        again.argv = plain
+        restarted.append(again.start())
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        run = subprocess.run(actor_command("ppo", run_dir, f"reward.address={reward.address}",
+                                           f"critic.address={critic.address}", "ppo.max_num_steps=2", *PPO_RUN,
+                                           "checkpointing.save_period=2"),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+        supervisor.join(timeout=60)
+    finally:
+        for proc in (critic, *restarted):
+            proc.stop()
+    assert restarted and run.returncode == 0, run.stderr[-3000:]
+    assert ("restarted before this Save and resumed at train step 0, where this run had left it at 2"
+            in run.stderr), run.stderr[-3000:]
+    assert not checkpoints.holds_its_critic(run_dir / "checkpoints" / "step_2")
+    assert "the critic's Save failed for 1 checkpoint(s) of this run, the last one (step 2) included" in run.stderr
+
+
 def test_checkpoints_whose_critic_save_failed_resume_only_with_the_critic_where_they_left_it(reward, log_dir, tmp_path):
     """The critic's disk is full (a file size limit of 100 kB, below its weights): every Save fails. The actor keeps
     its own checkpoints, each recording where it left the critic, and the critic leaves no half-written directory.
