@@ -42,9 +42,19 @@ class NotFinite(RemoteError):
 
 
 def _serves(info: reward_pb2.RewardInfo) -> str:
-    """What a reward server serves, in words: what decides its rewards and the requests it takes."""
+    """What a reward server serves, in words: what decides its rewards and the requests it takes (a checkpoint keeps
+    it: without a normalisation the words are what they were before servers reported one)."""
+    normalized = f", scores normalised {info.reward_normalization}" if info.reward_normalization else ""
     return (f"{info.model!r} (vocabulary {info.vocab_sha256[:12] or 'none'}, components "
-            f"{list(info.components)}, labels {'needed' if info.needs_labels else 'not needed'})")
+            f"{list(info.components)}, labels {'needed' if info.needs_labels else 'not needed'}{normalized})")
+
+
+def _critic_rewards(info: critic_pb2.CriticInfo) -> str:
+    """The rewards a combined critic serves, in words: its reward model and how its scores are normalised."""
+    if not info.serves_rewards:
+        return "no rewards (no reward_model)"
+    return f"rewards of {info.reward_model!r}" + (f", normalised {info.reward_normalization}"
+                                                  if info.reward_normalization else "")
 
 
 class Servers:
@@ -69,6 +79,7 @@ class Servers:
         self.critic: CriticClient | None = None
         self.critic_restarts, self.critic_seen = 0, ("", 0)
         self.reward_serves: str | None = None  # what the gRPC reward server served at start
+        self.critic_rewards: str | None = None  # with reward.source=critic: the rewards the critic served at start
         if cfg.needs_critic:
             self.critic = CriticClient(cfg.critic, self.token)
         else:
@@ -104,7 +115,10 @@ class Servers:
             return None
         if cfg.reward.source == "critic":
             if not critic_info.serves_rewards:
-                raise SystemExit("reward.source=critic needs a combined RM + critic server (critic_server --reward-model ...)")
+                raise IncompatibleServer(f"reward.source=critic needs a combined RM + critic server (critic_server "
+                                         f"--reward-model ...), but the critic at {cfg.critic.address} serves no "
+                                         f"rewards")
+            self.critic_rewards = _critic_rewards(critic_info)  # held to it through restarts
             self._require_components(())
             return None
         if cfg.reward.source == "openrlhf":
@@ -231,7 +245,13 @@ class Servers:
                     "was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address, instance[:8],
                     instance_id[:8], resumed_at, train_step, max(0, train_step - resumed_at))
         # the restarted process may serve another model: held to what the run was started with
-        check_compatible("critic", info or self.critic.current_info(), *self._critic_check)
+        info = info or self.critic.current_info()
+        check_compatible("critic", info, *self._critic_check)
+        if self.critic_rewards is not None and _critic_rewards(info) != self.critic_rewards:
+            raise IncompatibleServer(
+                f"the critic server {self.cfg.critic.address} restarted serving {_critic_rewards(info)}, where this "
+                f"run (reward.source=critic) started with {self.critic_rewards}: the rewards would change meaning "
+                f"mid-run; restart it as it was (its --reward-model and normalize_reward), or start a new run")
 
     def close(self) -> None:
         if self.critic is not None:

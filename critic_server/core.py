@@ -49,6 +49,7 @@ from serving.modeling import (
     max_length_before_loading,
     max_length_of,
     mixed_precision,
+    normalization_text,
     pad_and_stack,
     per_token_scores,
     resolve_device,
@@ -286,6 +287,8 @@ class CriticCore:
             "vocab_sha256": self.vocab_sha256,
             "max_batch_size": self.cfg.batching.max_batch_size,
             "instance_id": self.instance_id,
+            "reward_model": self.cfg.reward_model or "",
+            "reward_normalization": normalization_text(self.normalize_reward) if self.reward_model is not None else "",
         }
 
     # --- inference ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from serving.modeling import (
     TORCH_DTYPES,
     ModelPass,
     NoScoreHead,
+    RewardNormalization,
     at_last_token,
     by_length,
     compiled,
@@ -30,6 +31,7 @@ from serving.modeling import (
     load_tokenizer,
     max_length_before_loading,
     max_length_of,
+    normalization_text,
     pad_and_stack,
     per_token_scores,
     resolve_device,
@@ -162,6 +164,7 @@ class RewardCore:
             "components": [component_name(s) for s in self.component_scorers],
             "needs_labels": self.cfg.scorer is not None and SCORERS[self.cfg.scorer].needs_labels,
             "chat_template": self.model is not None and self.tokenizer.chat_template is not None,
+            "reward_normalization": normalization_text(getattr(self, "normalize_reward", RewardNormalization())),
         }
 
     # --- validation -----------------------------------------------------------------------------

@@ -536,6 +536,11 @@ class RewardNormalization:
         return (scores - self.mean) / self.std
 
 
+def normalization_text(normalization: RewardNormalization) -> str:
+    """How GetInfo reports a normalisation: its formula, or empty for none (scores as the model gives them)."""
+    return "" if normalization == RewardNormalization() else str(normalization)
+
+
 def reward_normalization(config: PretrainedConfig, setting: bool | None, key: str, source: str, *,
                          role: str = "reward model", outputs: str = "rewards") -> RewardNormalization:
     """How the scores of `source` (a `role`: reward model, or the critic's model) are normalised, from its config

@@ -539,3 +539,16 @@ def test_flags_and_overrides_mix_in_any_order_and_a_key_given_twice_is_refused(t
         parse_cli(ActorConfig, ["--run-dir", str(tmp_path / "a"), f"run_dir={tmp_path / 'b'}"], "test", FLAGS)
     assert e.value.code == 2
     assert "--run-dir and run_dir=... both set config key run_dir: give it once" in capsys.readouterr().err
+
+
+def test_what_a_reward_server_serves_includes_its_normalisation():
+    """The actor compares a restarted reward server's description with the run's: the normalisation is part of it
+    (a server restarted with normalize_reward flipped changed the rewards' scale unnoticed), and without one the
+    words are those older checkpoints recorded, so their resumes still match."""
+    from actor.servers import _serves
+
+    plain = reward_pb2.RewardInfo(model="m", vocab_sha256="abcdef0123456789", components=["c"])
+    assert _serves(plain) == "'m' (vocabulary abcdef012345, components ['c'], labels not needed)"
+    normalised = reward_pb2.RewardInfo(model="m", vocab_sha256="abcdef0123456789", components=["c"],
+                                       reward_normalization="(score - 0.25) / 2")
+    assert _serves(normalised) != _serves(plain) and "scores normalised (score - 0.25) / 2" in _serves(normalised)

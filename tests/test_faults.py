@@ -396,6 +396,39 @@ def test_a_critic_restarted_with_a_model_of_another_vocabulary_stops_the_run(emb
     assert f"a server restarted with a model this run cannot use: checkpoint of step {done}" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("restarted_with", ["no-reward-model", "another-reward-model"])
+def test_a_combined_critic_restarted_with_other_rewards_stops_the_run(embedded_assets, log_dir, tmp_path,
+                                                                      restarted_with):
+    """A critic that serves the rewards too (reward.source=critic), restarted mid-run without its reward model,
+    crashed the actor with a TypeError traceback and no checkpoint; restarted with another reward model, the rewards
+    changed meaning mid-run and the run ended with exit 0. Both now stop it, naming what changed."""
+    grpc_port, http_port = free_port(), free_port()
+    first = ServiceProcess("critic", "--reward-model", "embedded:reward", "--checkpoint-dir", str(tmp_path / "ck"),
+                           grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
+    other = reward_model_with_head(embedded_assets, tmp_path / "other-rm", lambda w: w * 2)
+    again = [] if restarted_with == "no-reward-model" else ["--reward-model", str(other)]
+    run_dir = tmp_path / "run"
+    cmd = actor_command("ppo", run_dir, f"critic.address={first.address}", "reward.source=critic",
+                        "ppo.max_num_steps=200", *PPO_RUN, "checkpointing.save_period=100")
+    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run_dir, 2, actor)
+        first.proc.kill()
+        first.proc.wait()
+        with ServiceProcess("critic", *again, "--checkpoint-dir", str(tmp_path / "ck"), grpc_port=grpc_port,
+                            http_port=http_port, log_dir=log_dir):
+            out, _ = actor.communicate(timeout=120)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
+    now = "no rewards (no reward_model)" if restarted_with == "no-reward-model" else f"rewards of '{other}'"
+    assert (f"restarted serving {now}, where this run (reward.source=critic) started with rewards of "
+            f"'embedded:reward'") in out, out[-3000:]
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert f"a server restarted with a model this run cannot use: checkpoint of step {done}" in out, out[-3000:]
+
+
 def reward_model_with_head(embedded_assets, target: Path, change) -> Path:
     """A copy of the embedded reward model at `target` whose score head's weight is `change(weight)`."""
     shutil.copytree(embedded_assets.reward_model, target)

@@ -727,6 +727,10 @@ def test_an_openrlhf_reward_model_scores_as_openrlhf_reports_it(openrlhf_reward_
     with ServiceProcess("reward", "--model", str(openrlhf_reward_model), *extra, log_dir=log_dir) as proc:
         channel, stub = open_stub(proc)
         reply = stub.Score(token_request(tokenizer, samples), timeout=60)
+        # GetInfo says so too: the actor holds a restarted server to it (a flipped setting changed the rewards'
+        # scale mid-run unnoticed)
+        info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+        assert info.reward_normalization == ("(score - 0.25) / 2" if setting is None else "")
         channel.close()
         said = "reported as (score - 0.25) / 2 (its config.json's mean and std)" in proc.log()
     assert said == (setting is None)  # the start-up log says when rewards are normalised

@@ -93,7 +93,7 @@ class LoadResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., train_step: _Optional[int] = ...) -> None: ...
 
 class CriticInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_length", "train_step", "serves_rewards", "vocab_sha256", "max_batch_size", "instance_id")
+    __slots__ = ("model", "vocab_size", "max_length", "train_step", "serves_rewards", "vocab_sha256", "max_batch_size", "instance_id", "reward_model", "reward_normalization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class CriticInfo(_message.Message):
     VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MODEL_FIELD_NUMBER: _ClassVar[int]
+    REWARD_NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_length: int
@@ -110,4 +112,6 @@ class CriticInfo(_message.Message):
     vocab_sha256: str
     max_batch_size: int
     instance_id: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., train_step: _Optional[int] = ..., serves_rewards: _Optional[bool] = ..., vocab_sha256: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    reward_model: str
+    reward_normalization: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., train_step: _Optional[int] = ..., serves_rewards: _Optional[bool] = ..., vocab_sha256: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., instance_id: _Optional[str] = ..., reward_model: _Optional[str] = ..., reward_normalization: _Optional[str] = ...) -> None: ...

@@ -55,7 +55,7 @@ class ScoreResponse(_message.Message):
     def __init__(self, rewards: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., components: _Optional[_Mapping[str, _common_pb2.Tensor]] = ...) -> None: ...
 
 class RewardInfo(_message.Message):
-    __slots__ = ("model", "kind", "vocab_size", "max_length", "vocab_sha256", "components", "needs_labels", "chat_template")
+    __slots__ = ("model", "kind", "vocab_size", "max_length", "vocab_sha256", "components", "needs_labels", "chat_template", "reward_normalization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class RewardInfo(_message.Message):
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_LABELS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    REWARD_NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     kind: str
     vocab_size: int
@@ -72,4 +73,5 @@ class RewardInfo(_message.Message):
     components: _containers.RepeatedScalarFieldContainer[str]
     needs_labels: bool
     chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ..., needs_labels: _Optional[bool] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    reward_normalization: str
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., components: _Optional[_Iterable[str]] = ..., needs_labels: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., reward_normalization: _Optional[str] = ...) -> None: ...
