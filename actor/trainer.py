@@ -361,7 +361,8 @@ class PPOTrainer:
         self.servers.watch_reward()
         with t("rollout_time"):
             batch, gen_batches = self.rollouts.collect(step)
-        self.servers.require_finite(batch)
+        self.servers.watch_reward()  # again: a server restarted with other settings while it scored this step's
+        self.servers.require_finite(batch)  # batches would have mixed two meanings of reward in it
         r, mask = batch.rollout, batch.mask
 
         kl = torch.zeros_like(mask)

@@ -106,6 +106,35 @@ def test_a_reward_server_restarted_with_another_scorer_stops_the_run(embedded_ca
     assert "where this run started with 'embedded:reward'" in out, out[-3000:]
 
 
+def test_a_reward_server_restarted_with_another_scorer_within_a_step_stops_before_training_on_it(
+        embedded_cache, log_dir, tmp_path):
+    """The reward server dies as it scores the second generation batch of step 2 and comes back as a rule scorer:
+    the batch's Score is retried on it, so step 2 held rewards of two meanings. The check at the next step's start
+    came one step late: step 2 was trained on and checkpointed as the learned model's. Now the step is checked again
+    once its rewards are in, and the run stops before training on it."""
+    grpc_port, http_port = free_port(), free_port()
+    # 16 rows a batch: each generation batch's Score is one call of score_batch (none merged)
+    first = ServiceProcess("reward", "batching.max_batch_size=16", grpc_port=grpc_port, http_port=http_port,
+                           log_dir=log_dir)
+    first.argv[1:3] = [str(ROOT / "tests" / "inject.py"), "reward_server.core:RewardCore.score_batch:4",
+                       "reward_server"]
+    first.start()
+    run_dir = tmp_path / "run"
+    actor = start_actor(run_dir, first.address, "ppo.max_num_steps=6", "checkpointing.save_period=1")
+    try:
+        first.proc.wait(timeout=180)
+        with ServiceProcess("reward", "--scorer", "no_negative", grpc_port=grpc_port, http_port=http_port,
+                            log_dir=log_dir):
+            out, _ = actor.communicate(timeout=120)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+    assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert f"the reward server {first.address} now serves 'rule:no_negative'" in out, out[-3000:]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1"]
+
+
 def test_a_server_away_longer_than_the_bound_ends_the_run_with_a_checkpoint(embedded_cache, log_dir, tmp_path):
     reward = ServiceProcess("reward", log_dir=log_dir).start()
     run_dir = tmp_path / "run"
