@@ -237,3 +237,25 @@ def test_a_prompt_too_long_for_the_policy_with_its_response_is_named_by_file_and
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert (f"error: {prompts}:2: the prompt has 60 tokens, and with policy.generation.max_new_tokens (16) a sample "
             f"needs 76, more than the policy accepts (64)") in done.stderr, done.stderr[-2000:]
+
+
+def test_the_same_event_loop_error_is_logged_once_per_interval_with_the_count_held_back():
+    """Out of file descriptors under a flood of connections, asyncio logged a traceback for every failed accept
+    (839,234 in 70 s, 373 MB): each kind of error is now logged once per interval, the next with the count."""
+    from serving.server import ThrottledLoopErrors
+
+    class Loop:
+        def __init__(self):
+            self.logged: list[str] = []
+
+        def default_exception_handler(self, context):
+            self.logged.append(context["message"])
+
+    loop, handler = Loop(), ThrottledLoopErrors(every_s=0.2)
+    for _ in range(1000):
+        handler(loop, {"message": "socket.accept() out of system resource"})
+    handler(loop, {"message": "another error"})
+    assert loop.logged == ["socket.accept() out of system resource", "another error"]
+    time.sleep(0.25)
+    handler(loop, {"message": "socket.accept() out of system resource"})
+    assert loop.logged[-1].startswith("socket.accept() out of system resource (999 more like it in the last")
