@@ -173,7 +173,7 @@ WEIGHTS_CRC32 = checksums.CRC32_KEY  # trainer_state.json's record of the checkp
 def weight_sums(directory: Path) -> dict[str, str]:
     """CRC-32 of each weight file (*.safetensors) under checkpoint `directory` (the policy, an adapter, a merged
     copy), by path relative to it; `write_state` adds the optimizer and random-state files (serving/checksums.py)."""
-    return checksums.sums(directory, ("actor*/*.safetensors",))
+    return checksums.sums(directory, ("actor*/*.safetensors", "actor*/config.json"))
 
 
 def verify_weights(directory: Path) -> None:

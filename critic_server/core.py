@@ -73,7 +73,7 @@ LEFTOVER_AGE_S = 60.0  # a .tmp-* or .old-* directory untouched this long at sta
 AUTOSAVE_PREFIX = "autosave-"  # the tags the critic gives its own checkpoints (autosave_every)
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "critic_state.json"
-WEIGHT_FILES = ("*.safetensors",)  # what save_pretrained writes the value model's weights to (sharded or not)
+WEIGHT_FILES = ("*.safetensors", "config.json")  # the value model as save_pretrained writes it (sharded or not)
 MAX_EPOCHS = 64  # passes over one Train's batch
 
 
