@@ -29,7 +29,15 @@ from serving.modeling import (
 )
 from serving.prepack import prepacked_linears
 
-from .clients import CriticClient, OpenRLHFRewardClient, Pending, RewardClient, Scores, label_text
+from .clients import (
+    CriticClient,
+    IncompatibleServer,
+    OpenRLHFRewardClient,
+    Pending,
+    RewardClient,
+    Scores,
+    label_text,
+)
 from .data import Prompt, PromptSampler
 from .generation import GenerationBackend, Rollout, SamplingParams, concat_rollouts, select_rows
 from .models import Reference
@@ -176,6 +184,16 @@ def split_rows(rollout: Rollout, batch_size: int) -> Iterator[tuple[int, Rollout
         yield i, select_rows(rollout, torch.arange(i, min(i + batch_size, n)))
 
 
+def critic_rewards(reply: tuple[torch.Tensor, torch.Tensor | None]) -> Scores:
+    """The rewards of a combined critic's Infer reply (reward.source=critic); IncompatibleServer when it carries
+    none: the critic restarted without its reward model (a TypeError traceback ended the run before)."""
+    if reply[1] is None:
+        raise IncompatibleServer("the critic server returned values without rewards: it was restarted without its "
+                                 "reward model, and reward.source=critic needs them (critic_server --reward-model ...); "
+                                 "restart it as it was")
+    return reply[1], {}
+
+
 class RolloutCollector:
     """Makes a step's RolloutBatch: per generation batch, the critic and reward requests go out as soon as the
     batch is generated and the actor computes the policy's and the reference's log-probs while they run."""
@@ -241,7 +259,7 @@ class RolloutCollector:
                 values = (self.critic.infer(r.tokens, r.lengths)
                           if self.critic is not None and (train or self.score is None) else None)
                 scores = (self.score(r, rows[i:i + step], chunk_labels) if self.score is not None
-                          else values.then(lambda vr: (vr[1], {})))
+                          else values.then(critic_rewards))
             lp = ref = None
             if train:
                 with torch_threads(self.shared_threads):

@@ -361,8 +361,12 @@ class PPOTrainer:
         self.servers.watch_reward()
         with t("rollout_time"):
             batch, gen_batches = self.rollouts.collect(step)
-        self.servers.watch_reward()  # again: a server restarted with other settings while it scored this step's
-        self.servers.require_finite(batch)  # batches would have mixed two meanings of reward in it
+        # again: a server restarted with other settings while it scored this step's batches would have mixed two
+        # meanings of reward in it (a combined critic serves the rewards with reward.source=critic)
+        self.servers.watch_reward()
+        if cfg.reward.source == "critic":
+            self.servers.watch_critic()
+        self.servers.require_finite(batch)
         r, mask = batch.rollout, batch.mask
 
         kl = torch.zeros_like(mask)

@@ -107,8 +107,8 @@ class ServingRequests:
             try:
                 await self.app(scope, receive, watched_send)
             except asyncio.CancelledError:  # only the shutdown cancels a request: uvicorn's, at the grace deadline
-                if started:
-                    raise
+                if started:  # a reply the client was not reading (its socket full): the connection closes with the
+                    return  # server; raised, uvicorn logged a traceback for each such client
                 body = b'{"detail": "the server stopped before this request finished (grace_period_s); retry it"}'
                 await send({"type": "http.response.start", "status": 503,
                             "headers": [(b"content-type", b"application/json"),

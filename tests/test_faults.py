@@ -451,9 +451,13 @@ def test_a_combined_critic_restarted_with_other_rewards_stops_the_run(embedded_a
         if actor.poll() is None:
             actor.kill()
     assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
-    now = "no rewards (no reward_model)" if restarted_with == "no-reward-model" else f"rewards of '{other}'"
-    assert (f"restarted serving {now}, where this run (reward.source=critic) started with rewards of "
-            f"'embedded:reward'") in out, out[-3000:]
+    if restarted_with == "no-reward-model":  # found by its first Infer reply, or by the check between steps
+        assert ("returned values without rewards: it was restarted without its reward model" in out or
+                "restarted serving no rewards (no reward_model), where this run (reward.source=critic) started with "
+                "rewards of 'embedded:reward'" in out), out[-3000:]
+    else:
+        assert (f"restarted serving rewards of '{other}', where this run (reward.source=critic) started with rewards "
+                f"of 'embedded:reward'") in out, out[-3000:]
     done = len((run_dir / "metrics.jsonl").read_text().splitlines())
     assert f"a server restarted with a model this run cannot use: checkpoint of step {done}" in out, out[-3000:]
 
@@ -714,7 +718,7 @@ def test_an_idempotent_call_the_server_cancels_is_retried_and_a_train_without_re
         assert "(the call was cancelled by the server as it shut down); retrying" in caplog.text
         # Save and Load are idempotent too: a critic killed during the actor's checkpoint no longer leaves the
         # checkpoint without the critic that is back seconds later at the same step
-        assert client.save("run-step_4") == "/ck/run-step_4" and client.load("run-step_4") == ("/ck/run-step_4", 4)
+        assert client.save("run-step_4") == ("/ck/run-step_4", 4) and client.load("run-step_4") == ("/ck/run-step_4", 4)
         assert "the server closed the connection: it stopped or restarted" in caplog.text
         with pytest.raises(RemoteError, match="Save failed: UNAVAILABLE"):  # unless told not to wait
             servicer.saves = 0
@@ -790,3 +794,15 @@ def test_checkpoint_must_save_by_checkpoints_and_stops(reward, tmp_path):
     assert 1 <= steps < 50
     assert (tmp_path / "run" / "checkpoints" / f"step_{steps}" / "trainer_state.json").is_file()
     assert "checkpoint_must_save_by" in run.stdout + run.stderr
+
+
+def test_an_infer_reply_without_the_rewards_a_run_needs_names_the_restart():
+    """A combined critic restarted without its reward model can answer the step's own Infer before the check
+    between steps sees it: the reply's missing rewards stop the run naming why (a TypeError traceback before)."""
+    from actor.clients import IncompatibleServer
+    from actor.rollouts import critic_rewards
+
+    values, rewards = torch.zeros(2, 3), torch.ones(2)
+    assert critic_rewards((values, rewards))[0] is rewards
+    with pytest.raises(IncompatibleServer, match="restarted without its reward model"):
+        critic_rewards((values, None))

@@ -1042,3 +1042,25 @@ def test_reflection_answers_under_v1_and_v1alpha(server, version):
     # the proto's comments travel too, so `grpcurl describe` explains every RPC and field
     comments = " ".join(loc.leading_comments for loc in reward.source_code_info.location)
     assert "One reward per sample" in comments
+
+
+def test_clients_that_leave_their_replies_unread_at_a_shutdown_log_no_traceback(embedded_cache, log_dir):
+    """Connections that pipeline requests and read nothing fill their sockets; at the shutdown's grace deadline the
+    replies still being written were cancelled and uvicorn logged a 60-line traceback for each connection (a client
+    chose how many). The server still ends within its grace period, quietly."""
+    server = ServiceProcess("reward", "--scorer", "positive_fraction", "grace_period_s=2", log_dir=log_dir).start()
+    sockets = []
+    try:
+        for _ in range(5):
+            s = socket.create_connection(("127.0.0.1", server.http_port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)
+            sockets.append(s)
+        time.sleep(1.0)
+        started = time.monotonic()
+        assert server.terminate(30) == 0
+        assert time.monotonic() - started < 15
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+    assert "Exception in ASGI application" not in server.log() and "Traceback" not in server.log(), server.log()[-3000:]
