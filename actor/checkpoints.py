@@ -100,6 +100,31 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
+ABANDONED = "abandoned"  # <run_dir>/checkpoints/abandoned/<when>/step_N: checkpoints of an attempt given up
+
+
+def set_aside_after(root: Path, step: int) -> list[Path]:
+    """Move the complete checkpoints of steps after `step` to <root>/abandoned/<UTC time>/, where no resume looks:
+    a run resumed from an earlier checkpoint (or started over) goes on from `step`, and a later automatic resume
+    must not pick up a checkpoint of the attempt it abandoned (its metrics rows are gone, its steps other).
+    Returns where they went."""
+    newer = [p for p in complete_checkpoints(root) if step_of(p) > step]
+    if not newer:
+        return []
+    import datetime
+
+    where = root / ABANDONED / datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    where.mkdir(parents=True)
+    moved = []
+    for path in newer:
+        path.rename(where / path.name)
+        moved.append(where / path.name)
+    log.warning("the checkpoints of steps after %d (%s) belong to the attempt this run %s: moved to %s, where no "
+                "resume looks (delete them when they are not needed)", step, ", ".join(p.name for p in newer),
+                "started over from" if step == 0 else "resumed before", where)
+    return moved
+
+
 def remove_leftovers(root: Path) -> None:
     """Delete tmp_step_* directories a crash left half-written."""
     for tmp in root.glob("tmp_step_*") if root.is_dir() else []:

@@ -208,6 +208,7 @@ class PPOTrainer:
         self.shape_rewards = RewardPipeline(cfg)
         self.kl_coef = p.kl_controller.init_kl_coef  # beta of the KL in the reward, moved by an adaptive controller
         self.start_step = self.restore(self.resume_from) if self.resume_from else self._start_the_critic()
+        checkpoints.set_aside_after(self.run_dir / "checkpoints", self.start_step)  # an older resume, or never
         self.tracker = MetricsTracker(self.run_dir, p.max_num_steps, self.registry, cfg.logger.tensorboard_enabled,
                                       resume_step=self.start_step if self.resume_from else None)
 

@@ -806,3 +806,34 @@ def test_an_infer_reply_without_the_rewards_a_run_needs_names_the_restart():
     assert critic_rewards((values, rewards))[0] is rewards
     with pytest.raises(IncompatibleServer, match="restarted without its reward model"):
         critic_rewards((values, None))
+
+
+def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(reward, tmp_path):
+    """`checkpointing.resume=step_2` in a run that reached step 4: the run goes on from step 2, and its steps 3 and 4
+    are the new attempt's. The old attempt's step_3 and step_4 stayed where an automatic resume looks, so a crash
+    after the new step 3 resumed from the old step 4, with metrics.jsonl holding the new attempt's rows. They are
+    moved to checkpoints/abandoned/<time>/ now, and so is every checkpoint of a run that starts over."""
+    run_dir = tmp_path / "run"
+
+    def actor(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run(actor_command("grpo", run_dir, f"reward.address={reward.address}",
+                                            f"critic.address=127.0.0.1:{free_port()}", *RUN,
+                                            "checkpointing.save_period=1", *overrides),
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+
+    assert actor("ppo.max_num_steps=4").returncode == 0
+    old_step_4 = (run_dir / "checkpoints" / "step_4" / "trainer_state.json").read_text()
+    again = actor("ppo.max_num_steps=3", "checkpointing.resume=step_2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the checkpoints of steps after 2 (step_3, step_4) belong to the attempt this run resumed before" in \
+        again.stderr, again.stderr[-3000:]
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1", "step_2", "step_3"]
+    (aside,) = (root / "abandoned").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["step_3", "step_4"]
+    assert (aside / "step_4" / "trainer_state.json").read_text() == old_step_4
+    later = actor("ppo.max_num_steps=3")  # an automatic resume finds the new attempt's last step
+    assert later.returncode == 0 and "nothing to train: the run resumed after step 3" in later.stdout + later.stderr
+    over = actor("ppo.max_num_steps=1", "checkpointing.resume=never")
+    assert over.returncode == 0 and "belong to the attempt this run started over from" in over.stderr
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1"]
