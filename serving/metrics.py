@@ -70,11 +70,12 @@ class ServiceMetrics:
         Gauge(f"{self.prefix}_tls_certificate_expiry_timestamp_seconds", "When the first certificate of the "
               "server's TLS chain expires (seconds since the epoch; tls_cert_file)", registry=self.registry).set(expires)
 
-    def record_request(self, method: str, code: str, seconds: float | None = None) -> None:
-        """Count one finished request by method and status code; time it when `seconds` is given."""
+    def record_request(self, method: str, code: str, seconds: float = 0.0) -> None:
+        """Count one finished request by method and status code, and observe its seconds in the latency histogram,
+        so that the histogram's count is the requests' (a refusal before the method runs, by the token check, the
+        parser or the body limit, takes microseconds and is observed as 0)."""
         self.requests.labels(method, code).inc()
-        if seconds is not None:
-            self.latency.labels(method).observe(seconds)
+        self.latency.labels(method).observe(seconds)
 
     def observe_pass(self, method: str, tokens: int) -> None:
         """One forward pass of `method` over `tokens` padded tokens (rows x width)."""

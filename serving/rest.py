@@ -39,14 +39,16 @@ class BodyLimit:
     once or a chunked body passes the limit while it is read, so no body past the limit is held in memory (the REST
     counterpart of the gRPC receive limit)."""
 
-    def __init__(self, app, limit: int, key: str):
+    def __init__(self, app, limit: int, key: str, refused: Callable[[str], None] = lambda path: None):
         self.app, self.limit, self.key = app, limit, key
+        self.refused = refused  # told each refusal's path, for the request counters
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            self.refused(scope.get("path", ""))
             return await self._refuse(send, int(declared))
         received, started = 0, False
 
@@ -67,6 +69,7 @@ class BodyLimit:
         try:
             await self.app(scope, counted_receive, watched_send)
         except _TooLarge:
+            self.refused(scope.get("path", ""))
             if not started:
                 await self._refuse(send, received)
 

@@ -379,7 +379,9 @@ class Service:
         # length in the model's config, read without the weights. REST bodies have the same limit.
         max_length = self.max_length_hint()
         receive_limit = receive_limit_bytes(cfg.max_message_mb, cfg.max_request_rows, max_length)
-        self.app.add_middleware(BodyLimit, limit=receive_limit, key="max_message_mb, max_request_rows")
+        self.app.add_middleware(BodyLimit, limit=receive_limit, key="max_message_mb, max_request_rows",
+                                refused=lambda path: self.metrics.record_request(
+                                    path.strip("/"), grpc.StatusCode.RESOURCE_EXHAUSTED.name))
         if token:  # outside the body limit: a caller without the token is refused before its body is read
             add_rest_auth(self.app, token, self.metrics)
         if cfg.tls_client_ca_file:  # mutual TLS covers REST too, but for the probes

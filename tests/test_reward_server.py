@@ -323,6 +323,7 @@ def test_huge_get_reward_bodies_and_texts_are_refused_before_they_are_read_or_to
     or chunked), a text that cannot fit the max length is refused before it is tokenized, and a request carries at
     most max_request_rows samples."""
     url = f"{server.http}/get_reward"
+    too_large = request_count(server, "get_reward", "RESOURCE_EXHAUSTED")
     huge = httpx.post(url, json={"query": ["good " * 200_000]}, timeout=60)
     assert huge.status_code == 400 and "query[0]: 1000000 characters, more than the model's max length of 64 tokens" \
         in huge.json()["detail"], huge.text
@@ -332,6 +333,13 @@ def test_huge_get_reward_bodies_and_texts_are_refused_before_they_are_read_or_to
                          headers={"Content-Type": "application/json"}, timeout=60)
     for reply in (declared, chunked):
         assert reply.status_code == 413 and "larger than this server takes" in reply.json()["detail"], reply.text
+    assert request_count(server, "get_reward", "RESOURCE_EXHAUSTED") == too_large + 2  # counted (they were not)
+    text = httpx.get(f"{server.http}/metrics").text  # and every counted request is in the latency histogram
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    counted = sum(s.value for s in samples if s.name == "ppo_reward_requests_total" and s.labels["method"] == "get_reward")
+    timed = sum(s.value for s in samples if s.name == "ppo_reward_request_duration_seconds_count"
+                and s.labels["method"] == "get_reward")
+    assert counted == timed, (counted, timed)
     many = httpx.post(url, json={"query": ["good"] * 4097}, timeout=60)
     assert many.status_code == 400 and "query: 4097 samples" in many.json()["detail"] and "max_request_rows" in \
         many.json()["detail"], many.text
