@@ -1060,7 +1060,10 @@ def test_clients_that_leave_their_replies_unread_at_a_shutdown_log_no_traceback(
     sockets = []
     try:
         for _ in range(5):
-            s = socket.create_connection(("127.0.0.1", server.http_port))
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the replies back up at once
+            s.settimeout(30)
+            s.connect(("127.0.0.1", server.http_port))
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)
             sockets.append(s)
         time.sleep(1.0)
