@@ -199,6 +199,9 @@ def unreachable_reason(e: grpc.RpcError) -> str:
             return f"the TLS handshake failed: {tls} ({details})"
         if "http1" in low:
             return f"something answers on that port, but not a gRPC server ({details})"
+        if "settings" in low and ("timed out" in low or "timeout" in low):  # TCP accepted, HTTP/2 never began
+            return (f"the server accepted the connection but did not answer it: it is frozen or overloaded (or, "
+                    f"when this persists, something else listens there) ({details})")
         if "socket closed" in low or "stream removed" in low or "connection reset" in low or "broken pipe" in low:
             return (f"the server closed the connection: it stopped or restarted, or (when this persists) it serves "
                     f"TLS to a plaintext client, or wants a client certificate this client does not present "

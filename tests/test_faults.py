@@ -837,3 +837,20 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(reward, t
     over = actor("ppo.max_num_steps=1", "checkpointing.resume=never")
     assert over.returncode == 0 and "belong to the attempt this run started over from" in over.stderr
     assert sorted(p.name for p in root.glob("step_*")) == ["step_1"]
+
+
+def test_a_server_that_accepts_but_never_answers_is_not_called_another_kind_of_server():
+    """A frozen server (SIGSTOP) still has its socket accepted by the kernel; gRPC gives up waiting for its HTTP/2
+    settings. The retry lines called it 'not a gRPC server', sending an operator after the wrong port."""
+    from actor.clients import unreachable_reason
+
+    class Frozen(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:5555: HTTP2 connection " \
+                   "timed out before receiving SETTINGS frame"
+
+    reason = unreachable_reason(Frozen())
+    assert reason.startswith("the server accepted the connection but did not answer it: it is frozen or overloaded")
