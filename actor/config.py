@@ -273,7 +273,7 @@ class PPOConfig(StrictModel):
     seed: int = Field(42, ge=0, lt=2**63, description="Seed for data order, sampling and initialisation.")
     val_period: int = Field(0, ge=0, description="Validate every N steps; 0 disables periodic validation.")
     val_at_start: bool = Field(False, description="Validate before the first step (step 0).")
-    val_at_end: bool = Field(False, description="Validate after the last step.")
+    val_at_end: bool = Field(False, description="Validate after the run's last step (ppo.max_num_steps, or the end of the data under ppo.max_num_epochs); not when a SIGTERM or checkpointing.checkpoint_must_save_by stops the run early, whose time goes to its checkpoint.")
     val_batch_size: int = Field(64, ge=1, description="Validation prompts per generation call.")
     max_val_samples: int = Field(64, ge=1, description="Validation prompts used (the first N of data.val_file).")
     overlong_filtering: bool = Field(

@@ -109,6 +109,7 @@ class PPOTrainer:
         self.stop_requested, self.stop_signal = False, ""
         self.stalled_steps = 0  # steps in a row whose every policy, or critic, optimizer step was skipped as non-finite
         self.critic_unsaved: list[int] = []  # steps checkpointed without the critic (its Save failed)
+        self.policy_updated = False  # whether the step in progress has begun to change the policy's weights
         self.run_dir = Path(cfg.run_dir)
         self.run_lock = checkpoints.lock_run_dir(self.run_dir)  # before anything in it is read or written
         self.ops = None
@@ -401,6 +402,7 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         if step > p.policy_training_start_step:  # that many critic-only steps first (NeMo-RL's meaning)
             # the critic trains at the same time: on a shared machine the actor keeps to its share of the cores
+            self.policy_updated = True  # from here a failure leaves step N-1's weights behind (fit)
             with t("train_time"), torch_threads(self.update_threads()), \
                     self.models.training():
                 metrics = self.train_policy(batch, advantages, loss_mask, is_weights)
@@ -507,7 +509,7 @@ class PPOTrainer:
         state = {**meta, **unsaved, checkpoints.WEIGHTS_CRC32: checkpoints.weight_sums(tmp),
                  "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
                  "reward_serves": self.servers.reward_serves,
-                 "next_group": self.collector.next_group, "metric": metric,
+                 "next_group": self.collector.next_group, "metric": metric, "stalled_steps": self.stalled_steps,
                  "python_random": random.getstate()[1], "config": self.cfg.model_dump(mode="json")}
         rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(),
                "sampler": self.sampler.state_dict(),
@@ -541,6 +543,7 @@ class PPOTrainer:
             torch.cuda.set_rng_state_all(rng["cuda"][: torch.cuda.device_count()])
         random.setstate((3, tuple(state["python_random"]), None))
         self.kl_coef, self.collector.next_group = state["kl_coef"], state["next_group"]
+        self.stalled_steps = int(state.get("stalled_steps", 0))  # 3 in a row stop the run, across a resume too
         then, now = state.get("reward_serves"), self.servers.reward_serves
         if then is not None and now is not None and then != now:  # as Servers.watch_reward checks during a run
             raise checkpoints.ResumeError(
@@ -645,6 +648,27 @@ class PPOTrainer:
                     f"(checkpointing.resume={paired[-1]}), or start over (checkpointing.resume=never)")
         return "no earlier checkpoint of this run holds its critic: start over (checkpointing.resume=never)"
 
+    def _position(self) -> dict[str, Any]:
+        """What a step moves besides the weights: the data position, the group counter, the random states, the KL
+        coefficient and the count of stalled steps. Taken before each step, so that the checkpoint of the last
+        finished step, written when the next one fails before its policy update, holds that step's position and not
+        one partway through the next (its prompts skipped on resume)."""
+        sampler = self.sampler.state_dict()
+        return {"sampler": {**sampler, "order": list(sampler["order"])}, "next_group": self.collector.next_group,
+                "torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "kl_coef": self.kl_coef, "stalled_steps": self.stalled_steps}
+
+    def _return_to(self, position: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(position["sampler"])
+        self.collector.next_group, self.kl_coef = position["next_group"], position["kl_coef"]
+        torch.set_rng_state(position["torch"])
+        self.shuffle_gen.set_state(position["shuffle"])
+        random.setstate(position["python"])
+        if position["cuda"]:
+            torch.cuda.set_rng_state_all(position["cuda"])
+        self.stalled_steps = position["stalled_steps"]
+
     def fit(self) -> list[dict]:
         cfg, p = self.cfg, self.cfg.ppo
         ck_by = cfg.checkpointing.must_save_by_s
@@ -665,21 +689,30 @@ class PPOTrainer:
                 step -= 1
                 break
             start = time.perf_counter()
+            before, self.policy_updated = self._position(), False
             try:
                 metrics, last_batch = self.step(step)
             except STOPS_THE_RUN as e:  # keep what is done, then stop; never over a checkpoint already written (it
                 # may hold the critic's, which is now out of reach)
                 if cfg.checkpointing.enabled and step - 1 > self.start_step and not self._checkpointed(step - 1):
-                    path = self.save_checkpoint(step - 1, wait_for_critic=False)
                     why = next(text for cls, text in RUN_ENDING_FAILURES.items() if isinstance(e, cls))
-                    self.tracker.write(f"{why}: checkpoint of step {step - 1} at {path}")
+                    if self.policy_updated:  # step N-1's weights are gone: a checkpoint would be mislabelled
+                        latest = checkpoints.complete_checkpoints(self.run_dir / "checkpoints")
+                        self.tracker.write(
+                            f"{why}: step {step}'s policy update had been applied when it failed, so step {step - 1} "
+                            f"cannot be checkpointed from memory; the latest complete checkpoint is "
+                            f"{latest[-1] if latest else 'none (the run starts over)'}")
+                    else:  # the step took prompts and random numbers: back to where step N-1 left them
+                        self._return_to(before)
+                        path = self.save_checkpoint(step - 1, wait_for_critic=False)
+                        self.tracker.write(f"{why}: checkpoint of step {step - 1} at {path}")
                 raise
             if step == self.start_step + 1 and n_print:
                 self.tracker.write(f"samples before training (step {step}):\n" + self.samples_table(last_batch, n_print))
             out_of_time = ck_by is not None and time.monotonic() - started >= ck_by
-            last = (step == p.max_num_steps or self.stop_requested or out_of_time
-                    or self.sampler.finished_epochs >= p.max_num_epochs)
-            if (p.val_period and step % p.val_period == 0) or (last and p.val_at_end):
+            end = step == p.max_num_steps or self.sampler.finished_epochs >= p.max_num_epochs  # the run's own end
+            last = end or self.stop_requested or out_of_time  # a stop's last step is checkpointed, not validated:
+            if (p.val_period and step % p.val_period == 0) or (end and p.val_at_end):  # it is no end of the run
                 metrics.update(self.validate())
             metrics.update(self.rollouts.metrics())  # generation/*: this step's decode work, its validation's too
             metrics.update(self.timers.pop())

@@ -290,8 +290,9 @@ def test_sigterm_checkpoints_the_prompts_trained_on_and_a_resumed_run_goes_on(re
     prompts trained on (not the ones generated ahead), the worker is stopped and joined, exit 0; the same command
     resumes from there and regenerates what was buffered."""
     run_dir = tmp_path / "run"
+    val_at_end = ("ppo.val_at_end=true", "ppo.max_val_samples=8")
     cmd = actor_cmd(run_dir, reward, *TINY, "ppo.max_num_steps=500", "checkpointing.save_period=0",
-                    "ppo.async_grpo.max_trajectory_age_steps=2")
+                    "ppo.async_grpo.max_trajectory_age_steps=2", *val_at_end)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     path = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -307,11 +308,15 @@ def test_sigterm_checkpoints_the_prompts_trained_on_and_a_resumed_run_goes_on(re
     assert 2 <= last < 500 and any(r["async/trajectory_age_max"] > 0 for r in rows)  # it ran ahead of the trainer
     state = json.loads((run_dir / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())
     assert state["consumed_samples"] == 8 * last
+    # a stop is no end of the run: its last step is checkpointed, not validated (that would hold the shutdown, and
+    # the resumed run's rows would differ from an uninterrupted run's)
+    assert not any("val/rewards" in r for r in rows)
 
     again = run_actor(run_dir, reward, *TINY, f"ppo.max_num_steps={last + 2}", "checkpointing.save_period=0",
-                      "ppo.async_grpo.max_trajectory_age_steps=2")
+                      "ppo.async_grpo.max_trajectory_age_steps=2", *val_at_end)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming after step {last}" in again.stderr
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, last + 3))
     assert [r["consumed_samples"] for r in rows[-2:]] == [8 * (last + 1), 8 * (last + 2)]
+    assert [r["step"] for r in rows if "val/rewards" in r] == [last + 2]  # the run's own end is validated

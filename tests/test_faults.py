@@ -136,26 +136,30 @@ def test_a_reward_server_restarted_with_another_scorer_within_a_step_stops_befor
 
 
 def test_a_server_away_longer_than_the_bound_ends_the_run_with_a_checkpoint(embedded_cache, log_dir, tmp_path):
-    reward = ServiceProcess("reward", log_dir=log_dir).start()
+    """The reward server dies as it scores step 3's first batch (16 rows a Score: two a step) and stays away. The
+    run checkpoints step 2, where step 2 left the data: that checkpoint held step 3's position before (its
+    prompts taken, its random numbers drawn), so a resume skipped step 3's prompts."""
+    reward = ServiceProcess("reward", "batching.max_batch_size=16", log_dir=log_dir)
+    reward.argv[1:3] = [str(ROOT / "tests" / "inject.py"), "reward_server.core:RewardCore.score_batch:5",
+                        "reward_server"]
+    reward.start()
     run_dir = tmp_path / "run"
     actor = start_actor(run_dir, reward.address, "ppo.max_num_steps=400", "reward.outage_timeout_s=3",
                         "checkpointing.save_period=0")
     try:
-        wait_for_steps(run_dir, 2, actor)
-        reward.proc.kill()
-        reward.proc.wait()
-        out, _ = actor.communicate(timeout=120)
+        out, _ = actor.communicate(timeout=180)
     finally:
         if actor.poll() is None:
             actor.kill()
+        reward.stop()
     assert actor.returncode == 1, out[-3000:]
-    # the outage is met by a Score call or by the check of the server that starts every step, whichever comes first
-    assert re.search(rf"reward server {re.escape(reward.address)} (Score|GetInfo) failed: the server was unavailable",
+    assert re.search(rf"reward server {re.escape(reward.address)} Score failed: the server was unavailable",
                      out), out[-3000:]
     assert "reward.outage_timeout_s" in out
-    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
-    meta = json.loads((run_dir / "checkpoints" / f"step_{done}" / "checkpoint.json").read_text())
-    assert meta["step"] == done
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    meta = json.loads((run_dir / "checkpoints" / "step_2" / "checkpoint.json").read_text())
+    assert meta["step"] == 2 and meta["consumed_samples"] == rows[-1]["consumed_samples"] == 16
 
 
 def run_with_the_critic_killed(reward, log_dir, tmp_path, steps: int, *critic_args: str) -> tuple[str, list[dict]]:
@@ -493,13 +497,24 @@ def test_a_run_whose_every_critic_step_is_skipped_stops_after_three_steps(embedd
     wrong = reward_model_with_head(embedded_assets, tmp_path / "huge-rm", lambda w: w * 1e35)
     with ServiceProcess("reward", f"model={wrong}", log_dir=log_dir) as reward, \
             ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck"), log_dir=log_dir) as critic:
-        run = subprocess.run(actor_command("ppo", tmp_path / "run", f"reward.address={reward.address}",
-                                           f"critic.address={critic.address}", *PPO_RUN, "ppo.max_num_steps=20"),
-                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert "error: 3 steps in a row took no critic optimizer step" in run.stderr, run.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["critic/train_step"] for r in rows] == [0.0, 0.0], rows
+        def actor() -> subprocess.CompletedProcess:
+            return subprocess.run(actor_command("ppo", tmp_path / "run", f"reward.address={reward.address}",
+                                                f"critic.address={critic.address}", *PPO_RUN, "ppo.max_num_steps=20",
+                                                "checkpointing.save_period=1"),
+                                  cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+
+        run = actor()
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+        assert "error: 3 steps in a row took no critic optimizer step" in run.stderr, run.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["critic/train_step"] for r in rows] == [0.0, 0.0], rows
+        # the count is part of the checkpoint: a resume stops after the same third step (it started again at 0,
+        # and the resumed run trained two more steps of nothing before it stopped)
+        state = json.loads((tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+        assert state["stalled_steps"] == 2
+        again = actor()
+    assert again.returncode == 1 and "error: 3 steps in a row took no critic optimizer step" in again.stderr
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 def _file_size_limit(limit: int):
