@@ -26,6 +26,10 @@ from .config import CheckpointingConfig, RemoteConfig
 
 log = logging.getLogger(__name__)
 
+# The meanings of config keys a checkpoint was written under: raised when a key keeps its name but changes what it
+# does, so that a resume across the change names it (MEANING_CHANGES) instead of training otherwise silently.
+# 1: before 0.2.0. 2: ppo.policy_training_start_step and ppo.reward_shaping took NeMo-RL's meanings.
+CONFIG_MEANINGS = 2
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
@@ -172,6 +176,42 @@ _FREE_TO_CHANGE = ("run_dir", "host", "http_port", "auth_token_file", "num_threa
                    "ppo.max_val_samples", "policy.device")
 
 
+def _policy_start(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    n = now.get("ppo", {}).get("policy_training_start_step", 0)
+    if not n:
+        return None
+    return (f"ppo.policy_training_start_step={n} now means {n} critic-only steps (NeMo-RL's meaning, since 0.2.0); "
+            f"this checkpoint was written when it meant {n - 1}, so the policy starts training one step later than "
+            f"the run planned: set it to {n - 1} to keep the schedule")
+
+
+def _both_penalties(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    shaping = saved.get("ppo", {}).get("reward_shaping", {})
+    if not (shaping.get("enabled") and shaping.get("stop_properly_penalty_coef") is not None
+            and shaping.get("overlong_buffer_length") is not None):
+        return None
+    return ("ppo.reward_shaping: this checkpoint was written when the stop-properly penalty and DAPO's overlong "
+            "penalty applied together; since 0.2.0 only the stop-properly penalty applies when its coefficient is "
+            "set (NeMo-RL's rule), so the shaped rewards differ from here on")
+
+
+# (the CONFIG_MEANINGS that changed it, a check of the saved and the current config returning a warning or None)
+MEANING_CHANGES = [(2, _policy_start), (2, _both_penalties)]
+
+
+def meaning_changes(state: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What a resume from a checkpoint written under older config meanings (`config_meanings` in its state; absent
+    before 0.2.0) computes otherwise than the run it continues, for the keys it sets."""
+    written_under = int(state.get("config_meanings", 1))
+    saved = state.get("config", {})
+    return [why for version, check in MEANING_CHANGES if written_under < version
+            and (why := check(saved, now)) is not None]
+
+
+# Sections whose keys do nothing while their switch is off: a difference there changes nothing a run computes.
+_SWITCHED = {"ppo.reward_shaping.": "ppo.reward_shaping.enabled"}
+
+
 def changed_settings(saved: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
     """`key (was A, now B)` for each setting in which the config a checkpoint was saved with differs from this run's,
     other than those a resume may change freely. A key the saved config lacks (added by a later version) counts as
@@ -186,8 +226,13 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any], defaults: dict[
     if not saved:  # a checkpoint that predates saving its config
         return []
     a, b, d = flat(saved), flat(now), flat(defaults or {})
+
+    def switched_off(k: str) -> bool:  # off then and now (a default that moved between versions, say)
+        return any(k.startswith(prefix) and k != switch and not a.get(switch) and not b.get(switch)
+                   for prefix, switch in _SWITCHED.items())
+
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not k.startswith(_FREE_TO_CHANGE)
-                  and not (k not in a and k in d and b.get(k) == d[k]))
+                  and not (k not in a and k in d and b.get(k) == d[k]) and not switched_off(k))
     return [f"{k} (was {a[k]!r}, now {b.get(k)!r})" if k in a else f"{k} (not in the checkpoint's config, now "
             f"{b.get(k)!r})" for k in keys]
 

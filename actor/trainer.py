@@ -38,6 +38,7 @@ from algorithms import (
     truncated_importance_weights,
 )
 from embedded import naming_the_model, resolve_model
+from serving import package_version
 from serving.metrics import process_registry
 from serving.modeling import (
     TORCH_DTYPES,
@@ -510,6 +511,7 @@ class PPOTrainer:
                  "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
                  "reward_serves": self.servers.reward_serves,
                  "next_group": self.collector.next_group, "metric": metric, "stalled_steps": self.stalled_steps,
+                 "version": package_version(), "config_meanings": checkpoints.CONFIG_MEANINGS,
                  "python_random": random.getstate()[1], "config": self.cfg.model_dump(mode="json")}
         rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(),
                "sampler": self.sampler.state_dict(),
@@ -534,6 +536,9 @@ class PPOTrainer:
                                                    type(self.cfg).model_construct().model_dump(mode="json")):
             log.warning("resuming %s with settings that differ from those it was saved with: %s; the steps from "
                         "here are not those of an uninterrupted run", directory, "; ".join(changed))
+        for why in checkpoints.meaning_changes(state, self.cfg.model_dump(mode="json")):
+            log.warning("resuming %s (written by version %s): %s", directory, state.get("version", "before 0.2.0"),
+                        why)
         checkpoints.load_optimizer_state(self.optimizer, optimizer, state, directory,
                                          self.cfg.policy.optimizer.kwargs.model_dump())
         self.sampler.load_state_dict(rng["sampler"])

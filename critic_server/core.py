@@ -24,7 +24,7 @@ import torch
 
 from algorithms import explained_variance, masked_mean, value_loss
 from embedded import naming_the_model, resolve_model
-from serving import checksums
+from serving import checksums, package_version
 from serving.errors import (
     DISK_FULL,
     DeadlineExceeded,
@@ -505,6 +505,7 @@ class CriticCore:
             # tensors and numbers: weights_only loads it
             summed = {OPTIMIZER_FILE: checksums.save_summed(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)}
             state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
+                     "version": package_version(),
                      "dedupe_window": self.window.to_json(),
                      checksums.CRC32_KEY: {**checksums.sums(tmp, WEIGHT_FILES), **summed}}
             (tmp / STATE_FILE).write_text(json.dumps(state))

@@ -280,6 +280,7 @@ def test_the_example_config_learns_and_stops_at_the_end_of_its_data_with_groups_
     assert state["consumed_samples"] == 128 and state["epoch"] == 0
     trainer_state = json.loads((tmp_path / "run" / "checkpoints" / "step_8" / "trainer_state.json").read_text())
     assert trainer_state["metric"] == rows[-1]["val/rewards"]  # ranked by its validation, as any last step
+    assert trainer_state["config_meanings"] == 2 and trainer_state["version"]  # what a later version compares
     truth = [r["train_rollouts/reward/positive_fraction"] for r in rows]
     assert sum(truth[-2:]) / 2 - truth[0] >= 0.1, truth
 

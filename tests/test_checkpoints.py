@@ -110,3 +110,26 @@ def test_a_resume_names_the_settings_that_differ_from_the_checkpoint_s():
     assert changed_settings(older, saved, defaults) == []
     assert changed_settings(older, ActorConfig(env={"step_timeout_s": 5}).model_dump(mode="json"), defaults) == \
         ["env.step_timeout_s (not in the checkpoint's config, now 5.0)"]
+
+
+def test_a_resume_across_a_change_of_meaning_names_it_and_settings_switched_off_are_no_difference():
+    """0.2.0 gave ppo.policy_training_start_step and ppo.reward_shaping NeMo-RL's meanings: a run written before,
+    resumed after, trained otherwise with the same config and nothing said so (the checkpoint recorded no version).
+    A checkpoint now records the meanings it was written under, and a resume across a change names it. Defaults of a
+    section switched off (reward shaping's overlong keys lost their defaults) are no difference either."""
+    from actor.checkpoints import CONFIG_MEANINGS, changed_settings, meaning_changes
+    from actor.config import ActorConfig
+
+    now = ActorConfig(ppo={"policy_training_start_step": 3}).model_dump(mode="json")
+    old = json.loads(json.dumps(now))
+    old["ppo"]["reward_shaping"].update(overlong_buffer_length=4, overlong_buffer_penalty=1.0)  # the old defaults
+    (why,) = meaning_changes({"config": old}, now)  # no config_meanings: written before 0.2.0
+    assert "ppo.policy_training_start_step=3 now means 3 critic-only steps" in why and "set it to 2" in why
+    assert meaning_changes({"config": old, "config_meanings": CONFIG_MEANINGS}, now) == []
+    assert meaning_changes({"config": old}, ActorConfig().model_dump(mode="json")) == []
+    assert changed_settings(old, now) == []  # shaping is off then and now: its keys change nothing
+    old["ppo"]["reward_shaping"].update(enabled=True, stop_properly_penalty_coef=0.5)
+    shaped = ActorConfig(ppo={"reward_shaping": {"enabled": True, "stop_properly_penalty_coef": 0.5}}).model_dump(
+        mode="json")
+    assert any("applied together" in w for w in meaning_changes({"config": old}, shaped))
+    assert changed_settings(old, shaped)  # shaping is on: the overlong keys' change is named
