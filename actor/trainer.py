@@ -364,11 +364,10 @@ class PPOTrainer:
         self.servers.watch_reward()
         with t("rollout_time"):
             batch, gen_batches = self.rollouts.collect(step)
-        # again: a server restarted with other settings while it scored this step's batches would have mixed two
-        # meanings of reward in it (a combined critic serves the rewards with reward.source=critic)
+        # again: a server restarted with other settings while it scored (or valued) this step's batches would have
+        # mixed two meanings of reward in it
         self.servers.watch_reward()
-        if cfg.reward.source == "critic":
-            self.servers.watch_critic()
+        self.servers.watch_critic()  # a critic that restarted while it valued them: checked before they are used
         self.servers.require_finite(batch)
         r, mask = batch.rollout, batch.mask
 
@@ -475,7 +474,8 @@ class PPOTrainer:
         return "\n".join(lines)
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, metrics: dict[str, float] | None = None, wait_for_critic: bool = True) -> Path:
+    def save_checkpoint(self, step: int, metrics: dict[str, float] | None = None, wait_for_critic: bool = True,
+                        train_unconfirmed: bool = False) -> Path:
         """<run_dir>/checkpoints/step_N/: the policy (Hugging Face format), optimizer, random states and
         trainer_state.json, everything an exact resume needs (actor/checkpoints.py); checkpoint.json names the
         critic checkpoint the critic server wrote for the same step. Written as tmp_step_N, then renamed. The
@@ -486,7 +486,12 @@ class PPOTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         self.models.save(tmp, self.tokenizer)
         critic_tag, critic_path, unsaved = f"{self.run_id}-step_{step}", None, {}  # the run's namespace on the critic
-        if self.critic is not None:
+        if self.critic is not None and train_unconfirmed:  # the step's Train went out; whether it landed is unknown
+            instance, train_step = self.servers.critic_seen
+            unsaved = {"critic_unsaved": {"error": f"step {step}'s critic Train was sent but not confirmed before the "
+                                                   f"run stopped", "instance_id": instance, "train_step": train_step,
+                                          "train_unconfirmed": True}}
+        elif self.critic is not None:
             instance, train_step = self.servers.critic_seen
             try:
                 critic_path, saved_step = self.critic.save(critic_tag, retry=wait_for_critic)
@@ -629,6 +634,15 @@ class PPOTrainer:
             log.warning("%s holds no critic checkpoint: the critic keeps its present weights", directory)
             return
         instance, train_step = self.servers.critic_seen
+        if unsaved.get("train_unconfirmed") and train_step > unsaved["train_step"]:  # the step's Train landed
+            log.info("%s: the critic server %s took that step's training (train step %d) before the run stopped: "
+                     "resuming with it as it is", directory, self.cfg.critic.address, train_step)
+            return
+        if unsaved.get("train_unconfirmed") and train_step == unsaved["train_step"]:
+            log.warning("%s: the critic server %s never took that step's training (train step %d): the run goes on "
+                        "with a critic one Train behind the uninterrupted run's", directory, self.cfg.critic.address,
+                        train_step)
+            return
         if train_step == unsaved["train_step"]:  # a critic serves one run: no one else took it to that step
             how = ("the same process" if instance == unsaved["instance_id"] else
                    "a restart that resumed its own checkpoint of that step")
@@ -699,14 +713,14 @@ class PPOTrainer:
                 metrics, last_batch = self.step(step)
             except STOPS_THE_RUN as e:  # keep what is done, then stop; never over a checkpoint already written (it
                 # may hold the critic's, which is now out of reach)
-                if cfg.checkpointing.enabled and step - 1 > self.start_step and not self._checkpointed(step - 1):
+                if cfg.checkpointing.enabled and (self.policy_updated or step - 1 > self.start_step) \
+                        and not self._checkpointed(step - 1 + self.policy_updated):
                     why = next(text for cls, text in RUN_ENDING_FAILURES.items() if isinstance(e, cls))
-                    if self.policy_updated:  # step N-1's weights are gone: a checkpoint would be mislabelled
-                        latest = checkpoints.complete_checkpoints(self.run_dir / "checkpoints")
-                        self.tracker.write(
-                            f"{why}: step {step}'s policy update had been applied when it failed, so step {step - 1} "
-                            f"cannot be checkpointed from memory; the latest complete checkpoint is "
-                            f"{latest[-1] if latest else 'none (the run starts over)'}")
+                    if self.policy_updated:  # step N-1's weights are gone: the policy is step N's (a pod deleted
+                        # while the actor waited for the critic's Train, say), so that is the checkpoint
+                        path = self.save_checkpoint(step, wait_for_critic=False, train_unconfirmed=True)
+                        self.tracker.write(f"{why}: checkpoint of step {step} (its policy update done, its critic "
+                                           f"training unconfirmed, its metrics row not written) at {path}")
                     else:  # the step took prompts and random numbers: back to where step N-1 left them
                         self._return_to(before)
                         path = self.save_checkpoint(step - 1, wait_for_critic=False)
