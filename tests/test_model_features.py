@@ -243,7 +243,8 @@ def test_lora_checkpoint_holds_the_adapter_and_a_merged_model(lora_trained, embe
     assert all("lora_" in k for k in load_file(tmp_path / "actor" / "adapter_model.safetensors"))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "actor_merged").eval()
     assert AutoTokenizer.from_pretrained(tmp_path / "actor_merged").get_vocab() == tokenizer.get_vocab()
-    torch.testing.assert_close(logprobs(merged, tokens, lengths), adapted, atol=1e-5, rtol=0)
+    # merging adds B @ A into W in float32: its sums round otherwise than the two paths apart (1.2e-5 seen)
+    torch.testing.assert_close(logprobs(merged, tokens, lengths), adapted, atol=5e-5, rtol=0)
     after = snapshot(models.policy)  # saving left the trained model as it was
     assert all(torch.equal(after[k], weights[k]) for k in weights)
     assert torch.equal(logprobs(models.policy, tokens, lengths), adapted)
