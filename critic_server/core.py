@@ -635,11 +635,18 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float,
             ours.append((saved_at, entry.name, entry))
     ours.sort(reverse=True)
     for path in stale + [p for _, _, p in ours[keep_last - 1:]]:
+        named = path
         try:
+            if not path.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+                # out of the checkpoints' names first: a process killed while it deletes leaves a temp directory,
+                # which the next start tidies, not a checkpoint with half its files that every start passes over
+                doomed = path.with_name(f"{TMP_PREFIX}pruned-{path.name}")
+                path.rename(doomed)
+                path = doomed
             shutil.rmtree(path)
-            log.info("removed %s (%s=%d)", path, "autosave_keep" if prefix else "keep_last", keep_last)
+            log.info("removed %s (%s=%d)", named, "autosave_keep" if prefix else "keep_last", keep_last)
         except OSError as e:
-            log.warning("could not remove old checkpoint %s: %s", path, e)
+            log.warning("could not remove old checkpoint %s: %s", named, e)
 
 
 def checkpoints_newest_first(root: Path) -> tuple[list[Path], list[Path]]:

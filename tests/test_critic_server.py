@@ -1192,3 +1192,26 @@ def test_a_critic_restarted_after_a_load_resumes_the_checkpoint_it_returned_to(e
         # the Load's window came back too: step 2's id is unknown again, and trains
         assert stub.Train(_with_id(train_request(tokens, 5.0), "run-x/2/0"), timeout=120).train_step == \
             one.train_step + 1
+
+
+def test_a_checkpoint_being_pruned_leaves_no_half_checkpoint_behind(tmp_path, monkeypatch):
+    """A process killed while it deleted an old checkpoint (keep_last, autosave_keep) left a directory with its
+    critic_state.json and half its files, passed over with an error at every start after. Pruning now moves it out of
+    the checkpoints' names first, so what a kill leaves is a temp directory the next start removes."""
+    from critic_server import core
+
+    root = tmp_path / "ckpt"
+    for i, name in enumerate(("autosave-1", "autosave-2", "autosave-3")):
+        (root / name).mkdir(parents=True)
+        (root / name / "critic_state.json").write_text(json.dumps({"train_step": i, "saved_at": 1000.0 + i}))
+        (root / name / "model.safetensors").write_bytes(b"x")
+
+    def killed_midway(path, *args, **kwargs):
+        (Path(path) / "model.safetensors").unlink()
+        raise OSError("killed")  # the process would be gone here; what it leaves on disk is what counts
+
+    monkeypatch.setattr(core.shutil, "rmtree", killed_midway)
+    core.prune_checkpoints(root, 2, root / "autosave-3", started=0.0, prefix="autosave-")
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-pruned-autosave-1", "autosave-2", "autosave-3"]
+    found, unplaced = core.checkpoints_newest_first(root)
+    assert [p.name for p in found] == ["autosave-3", "autosave-2"] and unplaced == []
