@@ -719,8 +719,9 @@ class PPOTrainer:
                     if self.policy_updated:  # step N-1's weights are gone: the policy is step N's (a pod deleted
                         # while the actor waited for the critic's Train, say), so that is the checkpoint
                         path = self.save_checkpoint(step, wait_for_critic=False, train_unconfirmed=True)
-                        self.tracker.write(f"{why}: checkpoint of step {step} (its policy update done, its critic "
-                                           f"training unconfirmed, its metrics row not written) at {path}")
+                        critic = ", its critic training unconfirmed" if self.critic is not None else ""
+                        self.tracker.write(f"{why}: checkpoint of step {step} (its policy update done{critic}, its "
+                                           f"metrics row not written) at {path}")
                     else:  # the step took prompts and random numbers: back to where step N-1 left them
                         self._return_to(before)
                         path = self.save_checkpoint(step - 1, wait_for_critic=False)
