@@ -250,11 +250,7 @@ def verify_weights(directory: Path) -> None:
     """Before a resume loads them: the weight, optimizer and random-state files are those the run wrote
     (ResumeError naming the first that is not). A checkpoint written before the sums were recorded, or whose
     trainer_state.json cannot be read (read_state says why), is not checked."""
-    try:
-        wrote = json.loads((directory / STATE_FILE).read_text()).get(WEIGHTS_CRC32)
-    except (OSError, ValueError, AttributeError):
-        return
-    if (changed := checksums.first_changed(directory, wrote)) is not None:
+    if (changed := checksums.recorded_change(directory, STATE_FILE)) is not None:
         raise ResumeError(f"{directory}: {changed}{OTHER_CHOICES}")
 
 

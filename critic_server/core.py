@@ -569,11 +569,7 @@ def verify_files(checkpoint: Path) -> None:
     """FailedPrecondition naming the first weight or optimizer file of `checkpoint` that is not the one its Save
     wrote (by the CRC-32 recorded in its critic_state.json; a checkpoint written before they were recorded, or with
     no readable critic_state.json, is not checked here)."""
-    try:
-        wrote = json.loads((checkpoint / STATE_FILE).read_text()).get(checksums.CRC32_KEY)
-    except (OSError, ValueError, AttributeError):
-        return
-    if (changed := checksums.first_changed(checkpoint, wrote)) is not None:
+    if (changed := checksums.recorded_change(checkpoint, STATE_FILE)) is not None:
         raise FailedPrecondition(f"{checkpoint}: {changed}")
 
 

@@ -9,6 +9,7 @@ compare them before loading. A checkpoint written before the sums were recorded 
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -70,3 +71,14 @@ def first_changed(directory: Path, wrote: object) -> str | None:
             now = "is missing" if found is None else f"has CRC-32 {found}, where {crc} was written"
             return f"{name} is not the file the checkpoint wrote (it {now}): damaged on disk or changed since"
     return None
+
+
+def recorded_change(directory: Path, state_file: str) -> str | None:
+    """`first_changed` against the sums recorded in the checkpoint's own state JSON (`state_file`, under CRC32_KEY);
+    None where that file cannot be read or records none (a checkpoint written before the sums were recorded: the
+    caller's own reading of the state reports a broken file)."""
+    try:
+        wrote = json.loads((directory / state_file).read_text()).get(CRC32_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return first_changed(directory, wrote)
