@@ -512,15 +512,14 @@ class PPOTrainer:
             metric, unknown = checkpoints.ranking_metric(self.cfg.checkpointing.metric_name, metrics), None
         except checkpoints.UnknownMetric as e:  # the checkpoint is written all the same; nothing is pruned by it
             metric, unknown = None, e
+        position = self._position()
         state = {**meta, **unsaved, checkpoints.WEIGHTS_CRC32: checkpoints.weight_sums(tmp),
                  "run_id": self.run_id, "critic_tag": critic_tag if critic_path else None,
                  "reward_serves": self.servers.reward_serves,
-                 "next_group": self.collector.next_group, "metric": metric, "stalled_steps": self.stalled_steps,
+                 "next_group": position["next_group"], "metric": metric, "stalled_steps": position["stalled_steps"],
                  "version": package_version(), "config_meanings": checkpoints.CONFIG_MEANINGS,
-                 "python_random": random.getstate()[1], "config": self.cfg.model_dump(mode="json")}
-        rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(),
-               "sampler": self.sampler.state_dict(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+                 "python_random": position["python"][1], "config": self.cfg.model_dump(mode="json")}
+        rng = {k: position[k] for k in ("torch", "shuffle", "sampler", "cuda")}
         checkpoints.write_state(tmp, state, self.optimizer.state_dict(), rng)
         if final.exists():
             shutil.rmtree(final)
@@ -537,23 +536,19 @@ class PPOTrainer:
         """Continue from a checkpoint: optimizer, data position, random states, KL coefficient, and the critic
         returned to its checkpoint of the same step. Returns the step the checkpoint finished."""
         state, optimizer, rng = checkpoints.read_state(directory)
-        if changed := checkpoints.changed_settings(state.get("config", {}), self.cfg.model_dump(mode="json"),
+        now = self.cfg.model_dump(mode="json")
+        if changed := checkpoints.changed_settings(state.get("config", {}), now,
                                                    type(self.cfg).model_construct().model_dump(mode="json")):
             log.warning("resuming %s with settings that differ from those it was saved with: %s; the steps from "
                         "here are not those of an uninterrupted run", directory, "; ".join(changed))
-        for why in checkpoints.meaning_changes(state, self.cfg.model_dump(mode="json")):
+        for why in checkpoints.meaning_changes(state, now):
             log.warning("resuming %s (written by version %s): %s", directory, state.get("version", "before 0.2.0"),
                         why)
         checkpoints.load_optimizer_state(self.optimizer, optimizer, state, directory,
                                          self.cfg.policy.optimizer.kwargs.model_dump())
-        self.sampler.load_state_dict(rng["sampler"])
-        self.shuffle_gen.set_state(rng["shuffle"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():  # a machine with fewer GPUs restores those it has
-            torch.cuda.set_rng_state_all(rng["cuda"][: torch.cuda.device_count()])
-        random.setstate((3, tuple(state["python_random"]), None))
-        self.kl_coef, self.collector.next_group = state["kl_coef"], state["next_group"]
-        self.stalled_steps = int(state.get("stalled_steps", 0))  # 3 in a row stop the run, across a resume too
+        self._return_to({**rng, "python": (3, tuple(state["python_random"]), None), "kl_coef": state["kl_coef"],
+                         "next_group": state["next_group"],
+                         "stalled_steps": int(state.get("stalled_steps", 0))})  # 3 in a row stop a run, resumed too
         then, now = state.get("reward_serves"), self.servers.reward_serves
         if then is not None and now is not None and then != now:  # as Servers.watch_reward checks during a run
             raise checkpoints.ResumeError(
@@ -669,9 +664,10 @@ class PPOTrainer:
 
     def _position(self) -> dict[str, Any]:
         """What a step moves besides the weights: the data position, the group counter, the random states, the KL
-        coefficient and the count of stalled steps. Taken before each step, so that the checkpoint of the last
-        finished step, written when the next one fails before its policy update, holds that step's position and not
-        one partway through the next (its prompts skipped on resume)."""
+        coefficient and the count of stalled steps; what a checkpoint keeps of them and a resume returns to
+        (`_return_to`). Also taken before each step, so that the checkpoint of the last finished step, written when
+        the next one fails before its policy update, holds that step's position and not one partway through the
+        next (its prompts skipped on resume)."""
         sampler = self.sampler.state_dict()
         return {"sampler": {**sampler, "order": list(sampler["order"])}, "next_group": self.collector.next_group,
                 "torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(), "python": random.getstate(),
@@ -684,8 +680,8 @@ class PPOTrainer:
         torch.set_rng_state(position["torch"])
         self.shuffle_gen.set_state(position["shuffle"])
         random.setstate(position["python"])
-        if position["cuda"]:
-            torch.cuda.set_rng_state_all(position["cuda"])
+        if position["cuda"] and torch.cuda.is_available():  # a machine with fewer GPUs restores those it has
+            torch.cuda.set_rng_state_all(position["cuda"][: torch.cuda.device_count()])
         self.stalled_steps = position["stalled_steps"]
 
     def fit(self) -> list[dict]:
@@ -713,8 +709,8 @@ class PPOTrainer:
                 metrics, last_batch = self.step(step)
             except STOPS_THE_RUN as e:  # keep what is done, then stop; never over a checkpoint already written (it
                 # may hold the critic's, which is now out of reach)
-                if cfg.checkpointing.enabled and (self.policy_updated or step - 1 > self.start_step) \
-                        and not self._checkpointed(step - 1 + self.policy_updated):
+                done = step if self.policy_updated else step - 1  # the step whose weights the policy holds
+                if cfg.checkpointing.enabled and done > self.start_step and not self._checkpointed(done):
                     why = next(text for cls, text in RUN_ENDING_FAILURES.items() if isinstance(e, cls))
                     if self.policy_updated:  # step N-1's weights are gone: the policy is step N's (a pod deleted
                         # while the actor waited for the critic's Train, say), so that is the checkpoint
