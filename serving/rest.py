@@ -294,6 +294,34 @@ class TimedRequestProtocol(H11Protocol):
 CLIENT_NOISE_EVERY_S = 60.0
 
 
+class Throttle:
+    """Repeated messages, by kind: one passes every `every_s` seconds, the rest are counted, and the next that passes
+    learns how many were held back since (the log of a flood reads a line per interval, not a line per event)."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def admit(self, kind: str) -> tuple[int, float] | None:
+        """None to hold this one back; else (how many were held back, seconds since the last that passed)."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind, -math.inf)
+            if now - last < self.every_s:
+                self._held[kind] += 1
+                return None
+            self._last[kind] = now
+            return self._held.pop(kind, 0), now - last
+
+    def held_back(self) -> collections.Counter[str]:
+        """The counts held back since each kind last passed, forgotten here (told at shutdown)."""
+        with self._lock:
+            held, self._held = self._held, collections.Counter()
+        return held
+
+
 class ClientNoiseFilter(logging.Filter):
     """uvicorn logs a warning for every malformed request and every WebSocket upgrade a client sends, so any client
     that reaches a REST port could fill the log at its request rate. Each such warning passes at most once every
@@ -305,10 +333,7 @@ class ClientNoiseFilter(logging.Filter):
 
     def __init__(self, every_s: float = CLIENT_NOISE_EVERY_S):
         super().__init__()
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._held: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
+        self.throttle = Throttle(every_s)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -316,22 +341,15 @@ class ClientNoiseFilter(logging.Filter):
             return False
         if message not in self.NOISE:
             return True
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(message, -math.inf) < self.every_s:
-                self._held[message] += 1
-                return False
-            self._last[message] = now
-            held = self._held.pop(message, 0)
-        if held:
+        if (admitted := self.throttle.admit(message)) is None:
+            return False
+        if held := admitted[0]:
             record.msg, record.args = self._with_count(message, held), ()
         return True
 
     def flush(self, logger: logging.Logger) -> None:
         """Log the counts still held back (at shutdown: a burst that ended is otherwise never told)."""
-        with self._lock:
-            held, self._held = self._held, collections.Counter()
-        for message, count in held.items():
+        for message, count in self.throttle.held_back().items():
             logger.warning(self._with_count(message, count))
 
     @staticmethod

@@ -41,6 +41,7 @@ from .rest import (
     PortTaken,
     QuietUvicorn,
     ServingRequests,
+    Throttle,
     TimedHandshakeLoop,
     add_ops_routes,
     bind_http,
@@ -223,19 +224,15 @@ class ThrottledLoopErrors:
     asyncio logs a traceback for every failed accept: 839,234 of them, 373 MB, in 70 s, in a probe."""
 
     def __init__(self, every_s: float = LOOP_ERRORS_EVERY_S):
-        self.every_s = every_s
-        self.last: dict[str, tuple[float, int]] = {}  # message -> (when last logged, held back since)
+        self.throttle = Throttle(every_s)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         key = str(context.get("message", ""))
-        now = time.monotonic()
-        logged, held = self.last.get(key, (-float("inf"), 0))
-        if now - logged < self.every_s:
-            self.last[key] = (logged, held + 1)
+        if (admitted := self.throttle.admit(key)) is None:
             return
-        self.last[key] = (now, 0)
+        held, since = admitted
         if held:
-            context = {**context, "message": f"{key} ({held} more like it in the last {now - logged:.0f} s)"}
+            context = {**context, "message": f"{key} ({held} more like it in the last {since:.0f} s)"}
         loop.default_exception_handler(context)
 
 
