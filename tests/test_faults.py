@@ -401,29 +401,38 @@ def _with_another_vocabulary(source, target):
     return target
 
 
-def test_a_critic_restarted_with_a_model_of_another_vocabulary_stops_the_run(embedded_assets, reward, log_dir,
-                                                                             tmp_path):
-    """At start-up a critic whose tokenizer maps words to other ids is refused; the same check now runs on a critic
-    that restarts mid-run (it was accepted, and valued every token as another)."""
+def _run_with_the_critic_replaced(log_dir, tmp_path, first: list[str], then: list[str], after_steps: int,
+                                  *overrides: str) -> tuple[int, str, Path]:
+    """A PPO run whose critic (started with `first`) is SIGKILLed after `after_steps` steps and replaced, on the same
+    ports, by one started with `then`. Returns the actor's exit code, its output and its run_dir."""
     grpc_port, http_port = free_port(), free_port()
-    first = ServiceProcess("critic", "--checkpoint-dir", str(tmp_path / "ck"), grpc_port=grpc_port,
-                           http_port=http_port, log_dir=log_dir).start()
-    other = _with_another_vocabulary(embedded_assets.policy, tmp_path / "other-vocab")
+    critic = ServiceProcess("critic", *first, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
     run_dir = tmp_path / "run"
-    cmd = actor_command("ppo", run_dir, f"reward.address={reward.address}", f"critic.address={first.address}",
-                        "ppo.max_num_steps=200", *PPO_RUN, "checkpointing.save_period=100")
+    cmd = actor_command("ppo", run_dir, f"critic.address={critic.address}", *overrides, "ppo.max_num_steps=200",
+                        *PPO_RUN, "checkpointing.save_period=100")
     actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for_steps(run_dir, 3, actor)
-        first.proc.kill()
-        first.proc.wait()
-        with ServiceProcess("critic", f"model={other}", "resume=never", "--checkpoint-dir", str(tmp_path / "ck2"),
-                            grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
+        wait_for_steps(run_dir, after_steps, actor)
+        critic.proc.kill()
+        critic.proc.wait()
+        with ServiceProcess("critic", *then, grpc_port=grpc_port, http_port=http_port, log_dir=log_dir):
             out, _ = actor.communicate(timeout=120)
     finally:
         if actor.poll() is None:
             actor.kill()
-    assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
+    return actor.returncode, out, run_dir
+
+
+def test_a_critic_restarted_with_a_model_of_another_vocabulary_stops_the_run(embedded_assets, reward, log_dir,
+                                                                             tmp_path):
+    """At start-up a critic whose tokenizer maps words to other ids is refused; the same check now runs on a critic
+    that restarts mid-run (it was accepted, and valued every token as another)."""
+    other = _with_another_vocabulary(embedded_assets.policy, tmp_path / "other-vocab")
+    returncode, out, run_dir = _run_with_the_critic_replaced(
+        log_dir, tmp_path, ["--checkpoint-dir", str(tmp_path / "ck")],
+        [f"model={other}", "resume=never", "--checkpoint-dir", str(tmp_path / "ck2")], 3,
+        f"reward.address={reward.address}")
+    assert returncode == 1 and "Traceback" not in out, out[-3000:]
     assert "restarted" in out and "uses a different tokenizer vocabulary than the policy" in out, out[-3000:]
     done = len((run_dir / "metrics.jsonl").read_text().splitlines())
     assert _stopped_with_a_checkpoint(out, "a server restarted with a model this run cannot use", done), out[-3000:]
@@ -435,26 +444,12 @@ def test_a_combined_critic_restarted_with_other_rewards_stops_the_run(embedded_a
     """A critic that serves the rewards too (reward.source=critic), restarted mid-run without its reward model,
     crashed the actor with a TypeError traceback and no checkpoint; restarted with another reward model, the rewards
     changed meaning mid-run and the run ended with exit 0. Both now stop it, naming what changed."""
-    grpc_port, http_port = free_port(), free_port()
-    first = ServiceProcess("critic", "--reward-model", "embedded:reward", "--checkpoint-dir", str(tmp_path / "ck"),
-                           grpc_port=grpc_port, http_port=http_port, log_dir=log_dir).start()
     other = reward_model_with_head(embedded_assets, tmp_path / "other-rm", lambda w: w * 2)
     again = [] if restarted_with == "no-reward-model" else ["--reward-model", str(other)]
-    run_dir = tmp_path / "run"
-    cmd = actor_command("ppo", run_dir, f"critic.address={first.address}", "reward.source=critic",
-                        "ppo.max_num_steps=200", *PPO_RUN, "checkpointing.save_period=100")
-    actor = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_steps(run_dir, 2, actor)
-        first.proc.kill()
-        first.proc.wait()
-        with ServiceProcess("critic", *again, "--checkpoint-dir", str(tmp_path / "ck"), grpc_port=grpc_port,
-                            http_port=http_port, log_dir=log_dir):
-            out, _ = actor.communicate(timeout=120)
-    finally:
-        if actor.poll() is None:
-            actor.kill()
-    assert actor.returncode == 1 and "Traceback" not in out, out[-3000:]
+    returncode, out, run_dir = _run_with_the_critic_replaced(
+        log_dir, tmp_path, ["--reward-model", "embedded:reward", "--checkpoint-dir", str(tmp_path / "ck")],
+        [*again, "--checkpoint-dir", str(tmp_path / "ck")], 2, "reward.source=critic")
+    assert returncode == 1 and "Traceback" not in out, out[-3000:]
     if restarted_with == "no-reward-model":  # found by its first Infer reply, or by the check between steps
         assert ("returned values without rewards: it was restarted without its reward model" in out or
                 "restarted serving no rewards (no reward_model), where this run (reward.source=critic) started with "
