@@ -32,11 +32,11 @@ log = logging.getLogger(__name__)
 Scores = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
-
 def as_sent(metrics: Mapping[str, float]) -> dict[str, float]:
     """A Train reply's metrics (float32 on the wire) as the shortest decimals that are those float32 values: a
     learning rate of 1e-4 reads 1e-4, not 9.999999747378752e-05."""
     return {k: float(str(np.float32(v))) for k, v in metrics.items()}
+
 
 class RemoteError(RuntimeError):
     """A remote call failed; the message names the server, the call and the gRPC status (`code`, where the server

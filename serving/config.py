@@ -87,8 +87,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
                           f"quote a string that starts with one of YAML's indicators, as in {key}='\"{raw}\"'") from None
     if _cut_by_a_comment(raw, value):
-        raise ConfigError(f"override {override!r}: YAML reads a '#' at the start or after a space as the start of a comment, so the "
-                          f"value would be cut to {value!r}; quote the whole value to keep it, as in "
+        raise ConfigError(f"override {override!r}: YAML reads a '#' at the start or after a space as the start of a "
+                          f"comment, so the value would be cut to {value!r}; quote the whole value to keep it, as in "
                           f"{key}='\"{raw}\"'")
     node[parts[-1]] = value
 
