@@ -407,20 +407,23 @@ class PPOTrainer:
                     self.models.training():
                 metrics = self.train_policy(batch, advantages, loss_mask, is_weights)
         self.rollouts.update_weights(self.policy)  # the async generation worker's next batch uses them
+        kl_per_sample, kl_coef = float(kl.sum(1).mean()), self.kl_coef
+        if kc.type == "adaptive" and self.kl_coef > 0:  # with the update: a step that fails after it (the critic away
+            # for its Train) is checkpointed as itself, and must hold the coefficient the next step uses
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl_per_sample, kc.target, kc.horizon, batch.size)
         with t("critic_train_wait"):
             critic = critic_train.result() if critic_train is not None else None
         self._count_stalled(metrics, critic, batch)
 
-        kl_per_sample = float(kl.sum(1).mean())
         metrics.update({
-            "train_rollouts/kl_coef": self.kl_coef,
+            "train_rollouts/kl_coef": kl_coef,
             "train_rollouts/rollout_size": float(batch.size),
             "train_rollouts/num_groups": float(len(torch.unique(batch.group_ids))),
             "train_rollouts/dynamic_sampling_gen_batches": float(gen_batches),
             "train_rollouts/rewards": float(batch.rewards.mean()),
             "train_rollouts/shaped_rewards": float(rewards.mean()),
             "train_rollouts/init_policy_kl": kl_per_sample,
-            "train_rollouts/rewards_with_kl": float((rewards - self.kl_coef * kl.sum(1)).mean()),
+            "train_rollouts/rewards_with_kl": float((rewards - kl_coef * kl.sum(1)).mean()),
             "train_rollouts/response_lengths": float(r.response_lengths.float().mean()),
             "train_rollouts/prompt_lengths": float(r.prompt_lengths.float().mean()),
             "train_rollouts/fraction_of_samples_properly_ended": float(r.ended.float().mean()),
@@ -446,8 +449,6 @@ class PPOTrainer:
             if x is not None:
                 metrics[f"train_rollouts/{name}_mean"] = float(masked_mean(x, mask))
                 metrics[f"train_rollouts/{name}_std"] = float(masked_var(x, mask).sqrt())
-        if kc.type == "adaptive" and self.kl_coef > 0:
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl_per_sample, kc.target, kc.horizon, batch.size)
         return metrics, batch
 
     def validate(self) -> dict[str, float]:

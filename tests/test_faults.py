@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actor import checkpoints
+from algorithms import adaptive_kl_coef
 from actor.clients import DRAIN_OUTAGE_S, CriticClient, RemoteError
 from actor.config import RemoteConfig
 from ppo_services.v1 import critic_pb2, critic_pb2_grpc
@@ -882,7 +883,8 @@ def test_a_step_that_fails_after_its_policy_update_is_checkpointed_as_that_step(
     is done, its critic training never confirmed. The run used to checkpoint 'step 2' holding step 3's weights and
     data position (a resume then skipped a step's prompts); now it checkpoints step 3, saying the critic's training
     is unconfirmed, and a resume against the critic restarted from its autosave (which never took that Train) goes
-    on, saying so."""
+    on, saying so. Its checkpoint holds the adaptive KL coefficient after step 3's update (it held step 2's: the
+    update came after the critic's reply)."""
     ckpt, run_dir = tmp_path / "critic-ckpt", tmp_path / "run"
     critic = ServiceProcess("critic", "--checkpoint-dir", str(ckpt), "autosave_every=1", log_dir=log_dir)
     ports = (critic.grpc_port, critic.http_port)
@@ -893,7 +895,9 @@ def test_a_step_that_fails_after_its_policy_update_is_checkpointed_as_that_step(
     def actor(steps: int) -> subprocess.CompletedProcess:
         return subprocess.run(actor_command("ppo", run_dir, f"reward.address={reward.address}",
                                             f"critic.address={critic.address}", f"ppo.max_num_steps={steps}",
-                                            *PPO_RUN, "checkpointing.save_period=100", "critic.outage_timeout_s=3"),
+                                            *PPO_RUN, "checkpointing.save_period=100", "critic.outage_timeout_s=3",
+                                            "ppo.kl_controller.type=adaptive", "ppo.kl_controller.target=0.01",
+                                            "ppo.kl_controller.horizon=100"),
                               cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
 
     try:
@@ -906,9 +910,14 @@ def test_a_step_that_fails_after_its_policy_update_is_checkpointed_as_that_step(
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     state = json.loads((run_dir / "checkpoints" / "step_3" / "trainer_state.json").read_text())
     assert state["critic_unsaved"]["train_unconfirmed"] and state["consumed_samples"] == 3 * 8
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    after_2 = adaptive_kl_coef(rows[1]["train_rollouts/kl_coef"], rows[1]["train_rollouts/init_policy_kl"], 0.01, 100, 8)
+    assert state["kl_coef"] != pytest.approx(after_2, rel=1e-9, abs=0), (state["kl_coef"], after_2)
     with ServiceProcess("critic", "--checkpoint-dir", str(ckpt), "autosave_every=1", grpc_port=ports[0],
                         http_port=ports[1], log_dir=log_dir):
         again = actor(4)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "never took that step's training" in again.stderr and "resuming after step 3" in again.stderr
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 4]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 4]
+    assert rows[2]["train_rollouts/kl_coef"] == pytest.approx(state["kl_coef"], rel=1e-6)
