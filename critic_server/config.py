@@ -62,8 +62,8 @@ class CriticConfig(ServerConfig):
     keep_last: int = Field(
         0,
         ge=0,
-        description="Checkpoints to keep: 0 keeps every one; N > 0 keeps the N most recently written (by the saved_at "
-        "in their critic_state.json) and, after each successful Save, deletes this server's older ones and its "
+        description="Checkpoints to keep: 0 keeps every one; N > 0 keeps the N most recently written (by the order "
+        "their critic_state.json records: a sequence number, then saved_at) and, after each successful Save, deletes this server's older ones and its "
         "leftover .tmp-* directories. Directories without a critic_state.json are never deleted.",
     )
     autosave_every: int = Field(
@@ -83,8 +83,8 @@ class CriticConfig(ServerConfig):
     resume: Literal["latest", "never"] = Field(
         "latest",
         description="At start, `latest` loads the newest checkpoint this server wrote in checkpoint_dir (one whose "
-        "critic_state.json has a saved_at: weights, optimizer, train step, dedupe window) instead of `model`, if there "
-        "is one (a damaged one is logged and the next older one tried; when none loads the server exits naming them); "
+        "critic_state.json has a saved_at: weights, optimizer, train step, dedupe window; the newest by the sequence "
+        "number each Save and Load records, not by the clock) instead of `model`, if there is one (a damaged one is logged and the next older one tried; when none loads the server exits naming them); "
         "`never` always starts from `model`.",
     )
     seed: int = Field(1234, description="Seed for the value head's initialisation when the checkpoint has none.")

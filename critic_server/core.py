@@ -504,7 +504,8 @@ class CriticCore:
             copy_remote_code(self.model.config, self.model_dir, tmp)
             # tensors and numbers: weights_only loads it
             summed = {OPTIMIZER_FILE: checksums.save_summed(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)}
-            state = {"train_step": self.train_step, "saved_at": time.time(), "model": self.cfg.model,
+            state = {"train_step": self.train_step, "saved_at": time.time(), "sequence": next_sequence(root),
+                     "model": self.cfg.model,
                      "version": package_version(),
                      "dedupe_window": self.window.to_json(),
                      checksums.CRC32_KEY: {**checksums.sums(tmp, WEIGHT_FILES), **summed}}
@@ -556,7 +557,7 @@ class CriticCore:
         self.model.load_state_dict(saved)
         self._apply_training_state(*training_state)
         self.source, self.unsaved = str(path.resolve()), False
-        mark_loaded(path)
+        mark_loaded(path, next_sequence(path.parent))
         log.info("returned to checkpoint %s at train step %d", path, self.train_step)
         return str(path.resolve()), self.train_step
 
@@ -616,10 +617,10 @@ def checkpoint_path(root: Path, tag: str) -> Path:
 
 def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float, prefix: str = "") -> None:
     """Delete this server's checkpoints in root whose names start with `prefix` beyond the keep_last most recently
-    written (by the saved_at recorded in their critic_state.json; `current` is always kept), and temp directories
+    written (by the place recorded in their critic_state.json, `_place`; `current` is always kept), and temp directories
     left by Saves that started before `started`. Directories without a readable critic_state.json are never touched.
     A failure to delete is logged, not raised: the checkpoint just written is complete."""
-    ours: list[tuple[float, str, Path]] = []
+    ours: list[tuple[tuple[int, float], str, Path]] = []
     stale: list[Path] = []
     for entry in root.iterdir():
         if entry.is_symlink() or not entry.is_dir():
@@ -627,8 +628,8 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float,
         if entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
             if entry.stat().st_mtime < started:
                 stale.append(entry)
-        elif entry != current and entry.name.startswith(prefix) and (saved_at := _saved_at(entry)) is not None:
-            ours.append((saved_at, entry.name, entry))
+        elif entry != current and entry.name.startswith(prefix) and (place := _place(entry)) is not None:
+            ours.append((place, entry.name, entry))
     ours.sort(reverse=True)
     for path in stale + [p for _, _, p in ours[keep_last - 1:]]:
         named = path
@@ -646,8 +647,8 @@ def prune_checkpoints(root: Path, keep_last: int, current: Path, started: float,
 
 
 def checkpoints_newest_first(root: Path) -> tuple[list[Path], list[Path]]:
-    """The checkpoints in root this server wrote, the last written first (by the saved_at in their
-    critic_state.json); and the directories that hold a critic's optimizer state but no readable critic_state.json,
+    """The checkpoints in root this server wrote, the last written first (by the place in their
+    critic_state.json, `_place`); and the directories that hold a critic's optimizer state but no readable critic_state.json,
     which cannot be placed in time."""
     if not root.is_dir():
         return [], []
@@ -656,8 +657,8 @@ def checkpoints_newest_first(root: Path) -> tuple[list[Path], list[Path]]:
         try:
             if entry.is_symlink() or not entry.is_dir() or entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
                 continue
-            if (saved_at := _saved_at(entry)) is not None:
-                ours.append((saved_at, entry.name, entry))
+            if (place := _place(entry)) is not None:
+                ours.append((place, entry.name, entry))
             elif (entry / OPTIMIZER_FILE).is_file():
                 unplaced.append(entry)
         except OSError as e:  # a directory this process may not read: passed over, not a crash loop at every start
@@ -665,32 +666,46 @@ def checkpoints_newest_first(root: Path) -> tuple[list[Path], list[Path]]:
     return [entry for _, _, entry in sorted(ours, reverse=True)], sorted(unplaced)
 
 
-def _saved_at(directory: Path) -> float | None:
-    """When a checkpoint of this server last became the critic's state: written, or returned to by a Load (its
-    `loaded_at`, so that a restart after an actor's resume comes back where the Load put the critic, not on the
-    newer checkpoints of the attempt the resume abandoned); None if the directory is not one."""
+def _place(directory: Path) -> tuple[int, float] | None:
+    """Where a checkpoint of this server stands in the critic's history, later ones greater: its `sequence` (one
+    more than the directory's highest when it was written, or returned to by a Load), then the time of the same
+    event (`saved_at`, or `loaded_at` after a Load: a restart after an actor's resume comes back where the Load put
+    the critic, not on the newer checkpoints of the attempt the resume abandoned). The sequence comes first so a
+    clock that jumped, or a host whose clock runs behind another's on a shared volume, does not reorder them;
+    checkpoints written before it existed count as 0. None if the directory is not a checkpoint."""
     try:
         state = json.loads((directory / STATE_FILE).read_text())
         times = [state["saved_at"], state.get("loaded_at", state["saved_at"])]
+        sequence = state.get("sequence", 0)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     ok = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in times)
-    return float(max(times)) if ok else None
+    if not ok or not isinstance(sequence, int) or isinstance(sequence, bool) or sequence < 0:
+        return None
+    return sequence, float(max(times))
 
 
-def mark_loaded(checkpoint: Path) -> None:
-    """Record in the checkpoint's critic_state.json that a Load returned the critic to it (`loaded_at`), replaced
-    whole; a failure to write it is logged (a restart before the next checkpoint may then resume a newer one)."""
+def next_sequence(root: Path) -> int:
+    """One more than the highest `sequence` of the checkpoints in root (1 in an empty directory)."""
+    places = (_place(entry) for entry in root.iterdir() if entry.is_dir() and not entry.is_symlink()
+              and not entry.name.startswith((TMP_PREFIX, OLD_PREFIX))) if root.is_dir() else ()
+    return 1 + max((place[0] for place in places if place is not None), default=0)
+
+
+def mark_loaded(checkpoint: Path, sequence: int) -> None:
+    """Record in the checkpoint's critic_state.json that a Load returned the critic to it (`loaded_at` and
+    `sequence`), replaced whole; a failure to write it is logged (a restart before the next checkpoint may then
+    resume a newer one)."""
     file = checkpoint / STATE_FILE
     try:
         state = json.loads(file.read_text())
-        state["loaded_at"] = time.time()
+        state["loaded_at"], state["sequence"] = time.time(), sequence
         tmp = file.with_name(f"{STATE_FILE}.tmp")
         tmp.write_text(json.dumps(state))
         tmp.replace(file)
     except (OSError, ValueError, TypeError) as e:
         log.warning("could not record the Load in %s (%s): a restart before the next checkpoint resumes the newest "
-                    "one by write time", file, e)
+                    "one written", file, e)
 
 
 def weights_misfit(saved: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> str | None:

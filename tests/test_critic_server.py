@@ -1173,7 +1173,9 @@ def test_a_checkpoint_directory_the_critic_may_not_read_is_passed_over(stub, log
 def test_a_critic_restarted_after_a_load_resumes_the_checkpoint_it_returned_to(embedded_cache, log_dir, tmp_path):
     """An actor's resume Loads the critic back to step 1; the critic then restarts before it trains again. It came
     back on the newest checkpoint by write time (step 2 of the attempt the resume abandoned), so the run found a
-    critic one step ahead, stopped as if another client had trained it, and failed every restart after."""
+    critic one step ahead, stopped as if another client had trained it, and failed every restart after. Step 2's
+    checkpoint is stamped a day ahead here, as a host whose clock runs ahead would on a shared volume: the order is
+    the sequence each checkpoint records, not the clocks."""
     ckpt, (tokens, lengths) = tmp_path / "ckpt", batch(44)
     args = ("--checkpoint-dir", str(ckpt))
     with ServiceProcess("critic", *args, log_dir=log_dir) as first, channel(first.address) as ch:
@@ -1182,6 +1184,9 @@ def test_a_critic_restarted_after_a_load_resumes_the_checkpoint_it_returned_to(e
         one = stub.Save(critic_pb2.SaveRequest(tag="run-x-step_1"), timeout=120)
         stub.Train(_with_id(train_request(tokens, 5.0), "run-x/2/0"), timeout=120)
         stub.Save(critic_pb2.SaveRequest(tag="run-x-step_2"), timeout=120)
+        state_file = ckpt / "run-x-step_2" / "critic_state.json"
+        state = json.loads(state_file.read_text())
+        state_file.write_text(json.dumps({**state, "saved_at": state["saved_at"] + 86400}))
         stub.Load(critic_pb2.LoadRequest(tag="run-x-step_1"), timeout=120)
         values = infer(stub, tokens, lengths)
     with ServiceProcess("critic", *args, log_dir=log_dir) as second, channel(second.address) as ch:
