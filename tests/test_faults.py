@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actor import checkpoints
-from algorithms import adaptive_kl_coef
 from actor.clients import DRAIN_OUTAGE_S, CriticClient, RemoteError
 from actor.config import RemoteConfig
+from algorithms import adaptive_kl_coef
 from ppo_services.v1 import critic_pb2, critic_pb2_grpc
 from serving.codec import decode, encode
 from tests.network_path import NetworkPath
