@@ -274,6 +274,7 @@ class TrainResult:
     metrics: dict[str, float]
     train_step: int
     instance_id: str = ""  # the critic process that answered ("" from a server that does not say)
+    repeated: bool = False  # the stored reply of an earlier Train with this request id: nothing applied now
 
 
 class _ServerClient:
@@ -324,7 +325,8 @@ class CriticClient(_ServerClient):
                                       old_values=encode(old_values.float()), mask=encode(mask.float()),
                                       value_clip=value_clip, loss_scale=loss_scale, request_id=request_id,
                                       epochs=epochs)
-        return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, as_sent(r.metrics), r.train_step, r.instance_id),
+        return retrying(self.stub.Train, req, lambda r: TrainResult(r.loss, as_sent(r.metrics), r.train_step, r.instance_id,
+                                                                     r.repeated),
                         f"{self.what} Train", self.cfg, "critic", retry=bool(request_id))
 
     def save(self, tag: str, retry: bool = True) -> tuple[str, int]:

@@ -193,10 +193,16 @@ class Servers:
         """The critic as its last Train reply gave it. A reply from another instance than the last one seen means
         the critic restarted while this step ran (its Train retried on the new one): the restart is counted here,
         with the train step it resumed at (the reply's, less the steps this call took), before the step's own steps
-        hide it. From the same instance, the step before this Train must be the last one seen (CriticShared)."""
+        hide it; a restarted critic whose checkpoint already held this Train answers with its stored reply
+        (`repeated`), and resumed where GetInfo says. From the same instance, the step before this Train must be the
+        last one seen (CriticShared)."""
         before = reply.train_step - int(reply.metrics.get("optimizer_steps", 0))
         if reply.instance_id and reply.instance_id != self.critic_seen[0]:
-            self._restarted(reply.instance_id, before)
+            if reply.repeated:
+                info = self.critic.current_info()
+                self._restarted(reply.instance_id, info.train_step, info, holds_this_train=True)
+            else:
+                self._restarted(reply.instance_id, before)
         elif before != self.critic_seen[1]:
             raise self._shared(before)
         self.critic_seen = (reply.instance_id or self.critic_seen[0], reply.train_step)
@@ -238,12 +244,19 @@ class Servers:
             f"trained it or returned it to a checkpoint. A critic serves one run: give each run its own critic "
             f"server (two runs on one critic each train against a critic fitted partly to the other's rollouts)")
 
-    def _restarted(self, instance_id: str, resumed_at: int, info: critic_pb2.CriticInfo | None = None) -> None:
+    def _restarted(self, instance_id: str, resumed_at: int, info: critic_pb2.CriticInfo | None = None,
+                   holds_this_train: bool = False) -> None:
         instance, train_step = self.critic_seen
         self.critic_restarts += 1
-        log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last reply "
-                    "was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address, instance[:8],
-                    instance_id[:8], resumed_at, train_step, max(0, train_step - resumed_at))
+        if holds_this_train:
+            log.warning("the critic server %s restarted (instance %s -> %s) after it applied this step's Train: it "
+                        "resumed at train step %d from a checkpoint that holds it, so the retried Train was answered "
+                        "from its stored reply and no critic optimizer steps were lost", self.cfg.critic.address,
+                        instance[:8], instance_id[:8], resumed_at)
+        else:
+            log.warning("the critic server %s restarted (instance %s -> %s): it resumed at train step %d, the last "
+                        "reply was at %d, so %d critic optimizer steps were lost", self.cfg.critic.address,
+                        instance[:8], instance_id[:8], resumed_at, train_step, max(0, train_step - resumed_at))
         # the restarted process may serve another model: held to what the run was started with
         info = info or self.critic.current_info()
         check_compatible("critic", info, *self._critic_check)

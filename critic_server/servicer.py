@@ -97,7 +97,7 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
             self.train_steps.set(result.train_step)
             self.last_loss.set(result.loss)
         return critic_pb2.TrainResponse(loss=result.loss, metrics=result.metrics, train_step=result.train_step,
-                                        instance_id=self.core.instance_id)
+                                        instance_id=self.core.instance_id, repeated=duplicate)
 
     @rpc_method("Save")
     async def Save(self, request: critic_pb2.SaveRequest, context) -> critic_pb2.SaveResponse:

@@ -248,6 +248,48 @@ def test_a_critic_that_restarts_as_the_last_checkpoint_is_saved_is_not_paired_wi
     assert "the critic's Save failed for 1 checkpoint(s) of this run, the last one (step 2) included" in run.stderr
 
 
+def test_a_critic_restarted_from_a_checkpoint_that_holds_the_step_s_train_lost_nothing(reward, log_dir, tmp_path):
+    """The critic (autosave_every=1) dies after it applied and autosaved step 2's Train, before its reply went out,
+    and a supervisor brings it back: it resumes that autosave, and the actor's retried Train is answered from its
+    stored reply (`repeated`). The actor used to log that it resumed before that Train and lost its steps."""
+    ckpt, run_dir = tmp_path / "critic-ckpt", tmp_path / "run"
+    settings = ("--checkpoint-dir", str(ckpt), "autosave_every=1", "autosave_keep=2")
+    critic = ServiceProcess("critic", *settings, log_dir=log_dir)
+    plain = list(critic.argv)
+    # the second autosave's pruning: step 2's Train is applied and in autosave-2, its reply not yet sent
+    critic.argv[1:3] = [str(ROOT / "tests" / "inject.py"), "critic_server.core:prune_checkpoints:2", "critic_server"]
+    critic.start()
+    restarted: list[ServiceProcess] = []
+
+    def supervise() -> None:
+        critic.proc.wait(timeout=300)
+        again = ServiceProcess("critic", *settings, log_dir=log_dir, grpc_port=critic.grpc_port,
+                               http_port=critic.http_port)
+        again.argv = plain
+        restarted.append(again.start())
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        run = subprocess.run(actor_command("ppo", run_dir, f"reward.address={reward.address}",
+                                           f"critic.address={critic.address}", "ppo.max_num_steps=3", *PPO_RUN,
+                                           "checkpointing.save_period=100"),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+        supervisor.join(timeout=60)
+    finally:
+        for proc in (critic, *restarted):
+            proc.stop()
+    assert restarted and run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["critic/restarts"] for r in rows] == [0.0, 1.0, 1.0]
+    assert (f"after it applied this step's Train: it resumed at train step {int(rows[1]['critic/train_step'])} from a "
+            "checkpoint that holds it, so the retried Train was answered from its stored reply and no critic "
+            "optimizer steps were lost") in run.stderr, run.stderr[-3000:]
+    assert "critic optimizer steps were lost" not in run.stderr.replace("no critic optimizer steps were lost", "")
+    steps = [r["critic/train_step"] for r in rows]
+    assert steps[2] - steps[1] == steps[1] - steps[0] == steps[0] > 0, steps  # nothing applied twice, or lost
+
+
 def test_checkpoints_whose_critic_save_failed_resume_only_with_the_critic_where_they_left_it(reward, log_dir, tmp_path):
     """The critic's disk is full (a file size limit of 100 kB, below its weights): every Save fails. The actor keeps
     its own checkpoints, each recording where it left the critic, and the critic leaves no half-written directory.

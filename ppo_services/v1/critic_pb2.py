@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ppo_services.v1 import common_pb2 as ppo__services_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cppo_services/v1/critic.proto\x12\x0fppo_services.v1\x1a\x1cppo_services/v1/common.proto\"a\n\x0cInferRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\"b\n\rInferResponse\x12\'\n\x06values\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07rewards\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\"\xe3\x02\n\x0cTrainRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07returns\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12+\n\nold_values\x18\x03 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12%\n\x04mask\x18\x04 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x05 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\x17\n\nvalue_clip\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nloss_scale\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x13\n\x06\x65pochs\x18\t \x01(\rH\x02\x88\x01\x01\x42\r\n\x0b_value_clipB\r\n\x0b_loss_scaleB\t\n\x07_epochs\"\xb4\x01\n\rTrainResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x02\x12<\n\x07metrics\x18\x02 \x03(\x0b\x32+.ppo_services.v1.TrainResponse.MetricsEntry\x12\x12\n\ntrain_step\x18\x03 \x01(\x03\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x1a\n\x0bSaveRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\"0\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\ntrain_step\x18\x02 \x01(\x03\"\x1a\n\x0bLoadRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\"0\n\x0cLoadResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\ntrain_step\x18\x02 \x01(\x03\"\xe6\x01\n\nCriticInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x12\n\nmax_length\x18\x03 \x01(\x03\x12\x12\n\ntrain_step\x18\x04 \x01(\x03\x12\x16\n\x0eserves_rewards\x18\x05 \x01(\x08\x12\x14\n\x0cvocab_sha256\x18\x06 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x03\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x14\n\x0creward_model\x18\t \x01(\t\x12\x1c\n\x14reward_normalization\x18\n \x01(\t2\xf2\x02\n\rCriticService\x12\x46\n\x05Infer\x12\x1d.ppo_services.v1.InferRequest\x1a\x1e.ppo_services.v1.InferResponse\x12\x46\n\x05Train\x12\x1d.ppo_services.v1.TrainRequest\x1a\x1e.ppo_services.v1.TrainResponse\x12\x43\n\x04Save\x12\x1c.ppo_services.v1.SaveRequest\x1a\x1d.ppo_services.v1.SaveResponse\x12\x43\n\x04Load\x12\x1c.ppo_services.v1.LoadRequest\x1a\x1d.ppo_services.v1.LoadResponse\x12G\n\x07GetInfo\x12\x1f.ppo_services.v1.GetInfoRequest\x1a\x1b.ppo_services.v1.CriticInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cppo_services/v1/critic.proto\x12\x0fppo_services.v1\x1a\x1cppo_services/v1/common.proto\"a\n\x0cInferRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\"b\n\rInferResponse\x12\'\n\x06values\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07rewards\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\"\xe3\x02\n\x0cTrainRequest\x12\'\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07returns\x18\x02 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12+\n\nold_values\x18\x03 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12%\n\x04mask\x18\x04 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12(\n\x07lengths\x18\x05 \x01(\x0b\x32\x17.ppo_services.v1.Tensor\x12\x17\n\nvalue_clip\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nloss_scale\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x13\n\x06\x65pochs\x18\t \x01(\rH\x02\x88\x01\x01\x42\r\n\x0b_value_clipB\r\n\x0b_loss_scaleB\t\n\x07_epochs\"\xc6\x01\n\rTrainResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x02\x12<\n\x07metrics\x18\x02 \x03(\x0b\x32+.ppo_services.v1.TrainResponse.MetricsEntry\x12\x12\n\ntrain_step\x18\x03 \x01(\x03\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x10\n\x08repeated\x18\x05 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x1a\n\x0bSaveRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\"0\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\ntrain_step\x18\x02 \x01(\x03\"\x1a\n\x0bLoadRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\"0\n\x0cLoadResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\ntrain_step\x18\x02 \x01(\x03\"\xe6\x01\n\nCriticInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x12\n\nmax_length\x18\x03 \x01(\x03\x12\x12\n\ntrain_step\x18\x04 \x01(\x03\x12\x16\n\x0eserves_rewards\x18\x05 \x01(\x08\x12\x14\n\x0cvocab_sha256\x18\x06 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x03\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x14\n\x0creward_model\x18\t \x01(\t\x12\x1c\n\x14reward_normalization\x18\n \x01(\t2\xf2\x02\n\rCriticService\x12\x46\n\x05Infer\x12\x1d.ppo_services.v1.InferRequest\x1a\x1e.ppo_services.v1.InferResponse\x12\x46\n\x05Train\x12\x1d.ppo_services.v1.TrainRequest\x1a\x1e.ppo_services.v1.TrainResponse\x12\x43\n\x04Save\x12\x1c.ppo_services.v1.SaveRequest\x1a\x1d.ppo_services.v1.SaveResponse\x12\x43\n\x04Load\x12\x1c.ppo_services.v1.LoadRequest\x1a\x1d.ppo_services.v1.LoadResponse\x12G\n\x07GetInfo\x12\x1f.ppo_services.v1.GetInfoRequest\x1a\x1b.ppo_services.v1.CriticInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,19 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINREQUEST']._serialized_start=279
   _globals['_TRAINREQUEST']._serialized_end=634
   _globals['_TRAINRESPONSE']._serialized_start=637
-  _globals['_TRAINRESPONSE']._serialized_end=817
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=771
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=817
-  _globals['_SAVEREQUEST']._serialized_start=819
-  _globals['_SAVEREQUEST']._serialized_end=845
-  _globals['_SAVERESPONSE']._serialized_start=847
-  _globals['_SAVERESPONSE']._serialized_end=895
-  _globals['_LOADREQUEST']._serialized_start=897
-  _globals['_LOADREQUEST']._serialized_end=923
-  _globals['_LOADRESPONSE']._serialized_start=925
-  _globals['_LOADRESPONSE']._serialized_end=973
-  _globals['_CRITICINFO']._serialized_start=976
-  _globals['_CRITICINFO']._serialized_end=1206
-  _globals['_CRITICSERVICE']._serialized_start=1209
-  _globals['_CRITICSERVICE']._serialized_end=1579
+  _globals['_TRAINRESPONSE']._serialized_end=835
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=789
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=835
+  _globals['_SAVEREQUEST']._serialized_start=837
+  _globals['_SAVEREQUEST']._serialized_end=863
+  _globals['_SAVERESPONSE']._serialized_start=865
+  _globals['_SAVERESPONSE']._serialized_end=913
+  _globals['_LOADREQUEST']._serialized_start=915
+  _globals['_LOADREQUEST']._serialized_end=941
+  _globals['_LOADRESPONSE']._serialized_start=943
+  _globals['_LOADRESPONSE']._serialized_end=991
+  _globals['_CRITICINFO']._serialized_start=994
+  _globals['_CRITICINFO']._serialized_end=1224
+  _globals['_CRITICSERVICE']._serialized_start=1227
+  _globals['_CRITICSERVICE']._serialized_end=1597
 # @@protoc_insertion_point(module_scope)

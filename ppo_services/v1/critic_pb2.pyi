@@ -46,7 +46,7 @@ class TrainRequest(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., value_clip: _Optional[float] = ..., loss_scale: _Optional[float] = ..., request_id: _Optional[str] = ..., epochs: _Optional[int] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
-    __slots__ = ("loss", "metrics", "train_step", "instance_id")
+    __slots__ = ("loss", "metrics", "train_step", "instance_id", "repeated")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,11 +58,13 @@ class TrainResponse(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
     loss: float
     metrics: _containers.ScalarMap[str, float]
     train_step: int
     instance_id: str
-    def __init__(self, loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_step: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    repeated: bool
+    def __init__(self, loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_step: _Optional[int] = ..., instance_id: _Optional[str] = ..., repeated: _Optional[bool] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("tag",)
