@@ -708,7 +708,9 @@ def test_a_train_sent_twice_with_the_same_request_id_is_applied_once(critic, stu
     values = infer(stub, tokens, lengths)
     again = stub.Train(request, timeout=120)
     assert first.train_step == step0 + 1
-    assert again == first  # the stored reply, loss and metrics included
+    assert again.repeated and not first.repeated  # the stored reply, loss and metrics included, said to be one
+    again.repeated = False
+    assert again == first
     assert _info(stub).train_step == step0 + 1
     torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)  # weights changed once
     assert _metric(critic, "ppo_critic_duplicate_trains_total") == duplicates + 1
@@ -728,6 +730,9 @@ def test_concurrent_duplicates_are_applied_once(critic, stub):
     calls = [stub.Train.future(request, timeout=120) for _ in range(6)]
     replies = [c.result() for c in calls]
     big_steps = ahead.result().train_step - step0
+    assert sorted(r.repeated for r in replies) == [False] + [True] * 5  # one applied, five answered with its reply
+    for r in replies:
+        r.repeated = False
     assert all(r == replies[0] for r in replies)
     assert _info(stub).train_step == step0 + big_steps + 1
 
