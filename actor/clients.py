@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ import torch
 
 from ppo_services.v1 import common_pb2, critic_pb2, critic_pb2_grpc, reward_pb2, reward_pb2_grpc
 from serving.codec import decode, encode
-from serving.security import BearerClientInterceptor, check_ca_file, load_key_pair, read_pem
+from serving.security import BearerClientInterceptor, check_ca_file, is_loopback, load_key_pair, read_pem
 from serving.wire import grpc_options
 
 from .config import RemoteConfig, RewardConfig
@@ -161,6 +163,33 @@ def check_tls_files(name: str, cfg: RemoteConfig) -> None:
         check_ca_file(cfg.tls_ca_file, f"{name}.tls_ca_file")
     if cfg.tls_cert_file:
         load_key_pair(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), cfg.tls_cert_file, cfg.tls_key_file, f"{name}.")
+
+
+def target_host(target: str) -> str | None:
+    """The host a gRPC target (`host:port`, `[::1]:5555`, `dns:///host:port`, `ipv4:10.0.0.1:5555`) or an http(s)
+    URL dials; None for a Unix socket."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return None
+    if "://" in target and not target.startswith("dns:"):
+        return urllib.parse.urlsplit(target).hostname or ""
+    target = re.sub(r"^(dns:(//[^/]*)?/|ipv4:|ipv6:)", "", target).split(",")[0]
+    if target.startswith("["):
+        return target[1:].partition("]")[0]
+    return target.rpartition(":")[0] if target.count(":") == 1 else target
+
+
+def warn_clear_text_token(name: str, target: str, tls: bool) -> None:
+    """Log that the bearer token goes to server `name` at `target` without TLS beyond this machine: anyone who can
+    watch that network can read it and call the server as this run (gRPC's own token credentials refuse an
+    insecure channel for that reason). Inside a private network (compose, a cluster with NetworkPolicies) that
+    may be the choice; it is said once, at start."""
+    host = target_host(target)
+    if tls or host is None or is_loopback(host):
+        return
+    log.warning("the bearer token goes to the %s server at %s in clear text (no TLS, and %s is not a loopback "
+                "address): anyone who can watch that network can read it and call the server. Serve it over TLS "
+                "(the server's --tls-cert-file/--tls-key-file, this run's %s.tls_ca_file) unless the network is "
+                "private", name, target, host, name)
 
 
 def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
@@ -407,6 +436,9 @@ class OpenRLHFRewardClient:
                 reply = self.http.post(self.url, json=body)
                 break
             except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+                if (tls := tls_failure(str(e).lower())) is not None:  # waiting cannot mend a certificate
+                    raise RemoteError(f"reward server {self.url} (reward.url): the TLS handshake failed: {tls} "
+                                      f"({e})") from None
                 if attempt == self.cfg.retries:
                     raise RemoteError(f"reward server {self.url} (reward.url): cannot connect after "
                                       f"{attempt + 1} tries: {e}") from None

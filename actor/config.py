@@ -541,6 +541,10 @@ class ActorConfig(StrictModel):
                              f"{why} scores otherwise: unset reward.input (auto)")
         if self.reward.source == "openrlhf" and not self.reward.url:
             raise ValueError("reward.source=openrlhf needs reward.url (e.g. http://host:8002/get_reward)")
+        tls = [k for k in ("tls_ca_file", "tls_cert_file") if getattr(self.reward, k)]
+        if self.reward.source == "openrlhf" and tls and not self.reward.url.lower().startswith("https://"):
+            raise ValueError(f"reward.{tls[0]} is set, but reward.url={self.reward.url} is not https://: TLS needs an "
+                             f"https:// URL (or unset reward.{tls[0]})")
         if self.loss_fn.truncated_importance_sampling_type and not self.loss_fn.use_importance_sampling_correction:
             raise ValueError("loss_fn.truncated_importance_sampling_type is set but "
                              "loss_fn.use_importance_sampling_correction is false")

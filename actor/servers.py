@@ -22,6 +22,7 @@ from .clients import (
     TrainResult,
     check_compatible,
     check_tls_files,
+    warn_clear_text_token,
 )
 from .config import ActorConfig
 from .data import DataError, Prompt, require_labels
@@ -70,6 +71,9 @@ class Servers:
         self.token_ids = token_ids
         self.train_prompts, self.val_prompts = train_prompts, val_prompts
         self.token = load_token(cfg.auth_token_file, "auth_token_file")
+        if self.token:
+            for name, where, tls in self._remotes():
+                warn_clear_text_token(name, where, tls)
         # every TLS file the run reads, before it waits for any server (a bad reward file was found only once the
         # critic answered)
         if cfg.needs_critic:
@@ -88,6 +92,17 @@ class Servers:
         self.reward: RewardClient | OpenRLHFRewardClient | None = None
         self.max_length = policy_max_length  # the longest sequence the policy and the critic both take
         self.score = self._connect(policy_max_length)
+
+    def _remotes(self) -> list[tuple[str, str, bool]]:
+        """(name, address or URL, whether over TLS) of each server this run calls."""
+        cfg, remotes = self.cfg, []
+        if cfg.needs_critic:
+            remotes.append(("critic", cfg.critic.address, bool(cfg.critic.tls_ca_file or cfg.critic.tls_cert_file)))
+        if (cfg.env.name is None or cfg.env.uses_reward_server) and cfg.reward.source == "server":
+            remotes.append(("reward", cfg.reward.address, bool(cfg.reward.tls_ca_file or cfg.reward.tls_cert_file)))
+        if cfg.reward.source == "openrlhf" and cfg.reward.url:
+            remotes.append(("reward", cfg.reward.url, cfg.reward.url.lower().startswith("https://")))
+        return remotes
 
     def _connect(self, policy_max_length: int) -> ScoreFn | None:
         """Check every server this run uses and build the reward request: token ids to a server that shares the

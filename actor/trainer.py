@@ -115,7 +115,7 @@ class PPOTrainer:
         self.run_lock = checkpoints.lock_run_dir(self.run_dir)  # before anything in it is read or written
         self.ops = None
         if cfg.http_port:
-            app = FastAPI(title="actor", docs_url=None, redoc_url=None, redirect_slashes=False)
+            app = FastAPI(title="actor", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
             add_ops_routes(app, self.registry, lambda: self.ready)
             self.ops = start_ops_thread(app, cfg.host, cfg.http_port)
 

@@ -217,6 +217,20 @@ def unwritable_dir(path: str, key: str) -> str | None:
     return None
 
 
+def _is_text(model: type[BaseModel], key: str) -> bool:
+    """Whether dotted `key` of `model` holds text: a flag's value for it is taken as given, not read as YAML (an IPv6
+    host `::` would be a mapping, a model named `yes` a boolean)."""
+    field = None
+    for part in key.split("."):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            model = field.annotation
+    types = get_args(field.annotation) or (field.annotation,)
+    return str in types
+
+
 def parse_cli(
     model: type[Cfg], argv: list[str] | None, description: str, flags: dict[str, tuple[str, str]],
     switches: frozenset[str] = frozenset(), writes: tuple[str, ...] = (),
@@ -236,7 +250,8 @@ def parse_cli(
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted config overrides, e.g. num_threads=2 (every service has it)")
     args = parser.parse_intermixed_args(argv)  # flags and KEY=VALUE overrides in any order
-    overrides = [f"{key}={v}" for key, _ in flags.values() if (v := getattr(args, key.replace(".", "__"))) is not None]
+    overrides = [f"{key}={json.dumps(v) if _is_text(model, key) else v}" for key, _ in flags.values()
+                 if (v := getattr(args, key.replace(".", "__"))) is not None]
     given = {o.partition("=")[0] for o in args.overrides}
     for flag, (key, _) in flags.items():
         if key in given and getattr(args, key.replace(".", "__")) is not None:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .security import CLIENT_CERTIFIED
+from .security import CLIENT_CERTIFIED, route_path
 
 # No `*_created` series beside each counter and histogram: the text format shows each as a gauge family of its own,
 # doubling what every scrape stores. Every service (the actor too) serves /metrics through this module.
@@ -39,16 +39,19 @@ class BodyLimit:
     once or a chunked body passes the limit while it is read, so no body past the limit is held in memory (the REST
     counterpart of the gRPC receive limit)."""
 
-    def __init__(self, app, limit: int, key: str, refused: Callable[[str], None] = lambda path: None):
+    def __init__(self, app, limit: int, key: str, refused: Callable[[str], None] = lambda route: None):
         self.app, self.limit, self.key = app, limit, key
-        self.refused = refused  # told each refusal's path, for the request counters
+        self.refused = refused  # told each refusal's route path, for the request counters
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        route = route_path(scope)
+        if route is None:  # no route: the app's 404, which reads no body, and counts nothing (no caller-named series)
+            return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            self.refused(scope.get("path", ""))
+            self.refused(route)
             return await self._refuse(send, int(declared))
         received, started = 0, False
 
@@ -69,7 +72,7 @@ class BodyLimit:
         try:
             await self.app(scope, counted_receive, watched_send)
         except _TooLarge:
-            self.refused(scope.get("path", ""))
+            self.refused(route)
             if not started:
                 await self._refuse(send, received)
 
@@ -417,8 +420,9 @@ def bind_http(host: str, port: int) -> socket.socket:
     or thread on failure: a service would die mid-start (or, in a thread, go on without its endpoints) instead of
     stopping with an error that names the port."""
     sock = None
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+    try:  # an IPv6 literal may come bracketed, as in a URL ([::1]); getaddrinfo takes it bare
+        family, kind, proto, _, address = socket.getaddrinfo(host.removeprefix("[").removesuffix("]"), port,
+                                                             type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT does not block a restart

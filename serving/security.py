@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import ssl
+import stat
 import time
 from collections import namedtuple
 from collections.abc import Callable
@@ -72,29 +73,66 @@ class SecurityError(ValueError):
     """The security settings cannot be used; the message names the key."""
 
 
-def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
-    """The token from `path`, else from PPO_SERVICES_AUTH_TOKEN, else None. Surrounding whitespace is dropped."""
-    if path:
-        try:
-            token = Path(path).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise SecurityError(f"{key}: cannot read {path}: {e.strerror}") from None
-        if not token:
-            raise SecurityError(f"{key}: {path} is empty")
-        return token
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token and TOKEN_ENV in os.environ:
-        log.warning("%s is set but blank: no bearer token is required", TOKEN_ENV)
-    return token or None
+# The largest token or PEM file read: a certificate bundle is tens of KiB
+MAX_SECURITY_FILE_BYTES = 1 << 20
 
 
-def read_pem(path: str | None, key: str) -> bytes | None:
-    if path is None:
-        return None
+def read_security_file(path: str, key: str) -> bytes:
+    """The bytes of setting `key`'s file: a regular file of at most 1 MiB. A FIFO (`<(command)`) would hold the start
+    with no way to stop it short of SIGKILL, and a device (/dev/zero) would never end."""
     try:
+        info = Path(path).stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise SecurityError(f"{key}: {path} is not a regular file (a directory, FIFO or device); point it at a "
+                                f"file")
+        if info.st_size > MAX_SECURITY_FILE_BYTES:
+            raise SecurityError(f"{key}: {path} has {info.st_size} bytes, more than a token or PEM file "
+                                f"({MAX_SECURITY_FILE_BYTES} at most)")
         return Path(path).read_bytes()
     except OSError as e:
         raise SecurityError(f"{key}: cannot read {path}: {e.strerror}") from None
+
+
+def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
+    """The token from `path`, else from PPO_SERVICES_AUTH_TOKEN, else None. Surrounding whitespace is dropped; a token
+    no client could send in an authorization header (not one word of printable ASCII) is a SecurityError, where it
+    used to start a server that refused every caller."""
+    if path:
+        try:
+            token = read_security_file(path, key).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise SecurityError(f"{key}: {path} is not UTF-8 text") from None
+        if not token:
+            raise SecurityError(f"{key}: {path} is empty")
+        source = f"{key}: the token in {path}"
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        if not token and TOKEN_ENV in os.environ:
+            log.warning("%s is set but blank: no bearer token is required", TOKEN_ENV)
+        source = f"{TOKEN_ENV}: the token"
+    if token and (why := _unsendable(token)) is not None:
+        raise SecurityError(f"{source} {why}: a bearer token must be one word of printable ASCII (letters, digits and "
+                            f"punctuation, no spaces), which every gRPC and HTTP client can send")
+    return token or None
+
+
+def _unsendable(token: str) -> str | None:
+    """Why `token` cannot travel in an authorization header, or None. Names a position, never the characters."""
+    if token.startswith("\ufeff"):
+        return "starts with a byte-order mark (the file was saved with one: save it without)"
+    for i, ch in enumerate(token, 1):
+        if "!" <= ch <= "~":
+            continue
+        if ch in "\r\n":
+            return f"spans more than one line (a line break after character {i - 1})"
+        if ch.isspace():
+            return f"has a space at character {i}"
+        return f"has a character other than printable ASCII at character {i}"
+    return None
+
+
+def read_pem(path: str | None, key: str) -> bytes | None:
+    return None if path is None else read_security_file(path, key)
 
 
 def bearer_matches(header: str | None, token: str) -> bool:
@@ -117,7 +155,12 @@ def check_exposure(host: str, token: str | None, cfg: SecurityConfig, tls_alone:
     """Refuse a non-loopback listener with neither a token nor TLS, unless allow_insecure. TLS without a client CA
     authenticates the server, not its callers: where that is not enough (`tls_alone` off: a server whose calls change
     its state), it needs a token or mutual TLS."""
-    if is_loopback(host) or token or cfg.allow_insecure:
+    if is_loopback(host) or token:
+        return
+    if cfg.allow_insecure:
+        if not cfg.tls_cert_file or not (tls_alone or cfg.tls_client_ca_file):
+            log.warning("listening on %s with no caller authentication (allow_insecure): anyone who reaches it may "
+                        "call every method", host)
         return
     if cfg.tls_cert_file and (tls_alone or cfg.tls_client_ca_file):
         return
@@ -302,9 +345,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(refuse)
 
 
-def route_of(request: Request):
-    """The app's route that `request` matches, or None (a 404)."""
-    return next((r for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE), None)
+def route_path(scope) -> str | None:
+    """The path of the app's route that an HTTP request's scope matches (in full, or but for its method), or None (a
+    404): what requests are counted under, so that no caller can name a metric series."""
+    routes = getattr(scope.get("app"), "routes", None) or []
+    return next((r.path for r in routes if r.matches(scope)[0] != Match.NONE), None)
 
 
 def add_rest_auth(app: FastAPI, token: str, metrics: ServiceMetrics) -> None:
@@ -312,12 +357,12 @@ def add_rest_auth(app: FastAPI, token: str, metrics: ServiceMetrics) -> None:
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
-        route = route_of(request)
+        route = route_path(request.scope)
         headers = request.headers.getlist("authorization")
         if request.url.path in OPEN_REST_PATHS or route is None or (
                 len(headers) == 1 and bearer_matches(headers[0], token)):
             return await call_next(request)  # no route: 404, token or not
-        metrics.record_request(route.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)  # a route's own path
+        metrics.record_request(route.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)  # a route's own path
         return JSONResponse({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"},
                             status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
@@ -333,10 +378,10 @@ def add_rest_client_cert_check(app: FastAPI, metrics: ServiceMetrics) -> None:
 
     @app.middleware("http")
     async def require_client_certificate(request: Request, call_next):
-        route = route_of(request)
+        route = route_path(request.scope)
         if request.url.path in OPEN_REST_PATHS or route is None or request.scope.get("state", {}).get(CLIENT_CERTIFIED):
             return await call_next(request)
-        metrics.record_request(route.path.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)
+        metrics.record_request(route.strip("/"), grpc.StatusCode.UNAUTHENTICATED.name)
         return JSONResponse({"detail": "this server takes calls only from clients with a certificate signed by its "
                                        "tls_client_ca_file (mutual TLS); present one"}, status_code=401)
 

@@ -61,7 +61,7 @@ from .security import (
     server_credentials,
 )
 from .server_config import ServerConfig
-from .wire import add_parsing_service, grpc_options, is_known_method, receive_limit_bytes
+from .wire import add_parsing_service, grpc_host, grpc_options, is_known_method, receive_limit_bytes
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,8 @@ class Service:
         self.ready = False
         self.stopping_since: float | None = None  # time.monotonic() when the shutdown began
         self._requests: dict[object, float] = {}  # the requests being served, and when each arrived
-        self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None, redirect_slashes=False)
+        self.app = FastAPI(title=f"{self.name} server", docs_url=None, redoc_url=None, openapi_url=None,
+                           redirect_slashes=False)
         add_ops_routes(self.app, self.metrics.registry, lambda: self.ready)
 
         @self.app.exception_handler(RequestValidationError)
@@ -377,8 +378,8 @@ class Service:
         max_length = self.max_length_hint()
         receive_limit = receive_limit_bytes(cfg.max_message_mb, cfg.max_request_rows, max_length)
         self.app.add_middleware(BodyLimit, limit=receive_limit, key="max_message_mb, max_request_rows",
-                                refused=lambda path: self.metrics.record_request(
-                                    path.strip("/"), grpc.StatusCode.RESOURCE_EXHAUSTED.name))
+                                refused=lambda route: self.metrics.record_request(
+                                    route.strip("/"), grpc.StatusCode.RESOURCE_EXHAUSTED.name))
         if token:  # outside the body limit: a caller without the token is refused before its body is read
             add_rest_auth(self.app, token, self.metrics)
         if cfg.tls_client_ca_file:  # mutual TLS covers REST too, but for the probes
@@ -404,7 +405,7 @@ class Service:
         for n in ["", *names]:
             await health_servicer.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
-            address = f"{cfg.host}:{cfg.port}"
+            address = f"{grpc_host(cfg.host)}:{cfg.port}"
             bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         except RuntimeError:
             bound = 0

@@ -29,6 +29,12 @@ HEADROOM = 2
 FIXED_BYTES = 1 * MIB  # lengths, request id, labels, framing
 
 
+def grpc_host(host: str) -> str:
+    """`host` as a gRPC address takes it: an IPv6 literal in brackets (`::1` -> `[::1]`), anything else as it is."""
+    bare = host.removeprefix("[").removesuffix("]")
+    return f"[{bare}]" if ":" in bare else host
+
+
 def receive_limit_bytes(max_message_mb: int, max_request_rows: int, max_length: int | None) -> int:
     """gRPC receive limit: min(max_message_mb MiB, max(4 MiB, HEADROOM x max_request_rows x max_length x
     BYTES_PER_TOKEN + 1 MiB)); just max_message_mb MiB when the max length is unknown (None)."""

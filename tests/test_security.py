@@ -145,16 +145,36 @@ def test_every_rest_route_but_the_probes_needs_the_token(protected, pki):
             assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", headers
         assert httpx.post(url, json=body, verify=verify, timeout=30,
                           headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
-    # a path no route has is 404, token or not, and is not counted: callers without the token cannot grow /metrics
+    # a path no route has is 404, token or not, and is not counted: callers without the token cannot grow /metrics;
+    # nor with a body past the receive limit, which was 413 and counted under the caller's path, one series a path
     for n in range(20):
         for headers in ({}, {"Authorization": f"Bearer {TOKEN}"}):
             assert httpx.get(f"{server.http}/scan-{n}", headers=headers, verify=verify, timeout=10).status_code == 404
+        assert raw_status(server, f"POST /huge-{n} HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n") == 404
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for path in ("/openapi.json", "/docs", "/redoc"):  # no schema of the service for anyone
+        assert httpx.get(f"{server.http}{path}", headers=auth, verify=verify, timeout=10).status_code == 404, path
+    if kind == "reward":  # past the limit on a route of its own: 413, counted under that route
+        assert raw_status(server, f"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n"
+                                  f"Authorization: Bearer {TOKEN}\r\n\r\n") == 413
     families = {f.name: f for f in text_string_to_metric_families(
         httpx.get(f"{server.http}/metrics", verify=verify, timeout=10).text)}
-    refused = {(s.labels["method"], s.value) for s in families[f"ppo_{kind}_requests"].samples
-               if s.name.endswith("_total") and s.labels["code"] == "UNAUTHENTICATED"}
+    counted = {(s.labels["method"], s.labels["code"]) for s in families[f"ppo_{kind}_requests"].samples
+               if s.name.endswith("_total")}
     methods = {m for m, _ in ROUTES[kind][1]} | ({"get_reward"} if kind == "reward" else set())
-    assert {m for m, _ in refused} <= methods, refused
+    assert {m for m, code in counted if code == "UNAUTHENTICATED"} <= methods, counted
+    assert {m for m, _ in counted} <= methods | {"health", "ready", "metrics"}, counted
+    if kind == "reward":
+        assert ("get_reward", "RESOURCE_EXHAUSTED") in counted
+
+
+def raw_status(server: ServiceProcess, head: str) -> int:
+    """The status a server's REST port answers to a request head sent as is (over TLS when it serves TLS)."""
+    context = server.tls_context() or None
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as plain:
+        sock = context.wrap_socket(plain, server_hostname="127.0.0.1") if context else plain
+        sock.sendall(head.encode())
+        return int(sock.recv(4096).split(b" ", 2)[1])
 
 
 def test_a_rest_client_that_does_not_finish_its_request_is_cut_off(protected):
@@ -356,6 +376,14 @@ def test_tls_with_the_token_from_the_environment(reward_tls, pki):
     rewards, _ = client.score_texts(["river => good"], ["river =>"]).result()
     assert rewards.shape == (1,)
     client.close()
+    # a certificate its CA did not sign stops it at once, as on gRPC: waiting cannot mend it (it retried with backoff)
+    stranger = OpenRLHFRewardClient(RewardConfig(source="openrlhf", url=f"{url}/get_reward", retries=3,
+                                                 tls_ca_file=str(pki / "client.pem")), token=TOKEN)
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="the TLS handshake failed: the server's certificate is not signed by the CA"):
+        stranger.score_texts(["river => good"], ["river =>"]).result()
+    assert time.monotonic() - started < 0.5
+    stranger.close()
 
 
 def test_mutual_tls_needs_a_client_certificate(embedded_cache, log_dir, pki):
@@ -526,3 +554,95 @@ def test_an_actor_with_a_reward_tls_file_it_cannot_use_stops_before_it_waits_for
                             check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and f"reward.tls_ca_file {pki / 'server.key'} holds no PEM certificate" in \
         result.stderr, result.stderr[-2000:]
+
+
+def test_a_token_no_client_can_send_or_a_file_that_never_ends_stops_the_start(tmp_path):
+    """A token file saved with a byte-order mark, holding two lines or a non-ASCII letter started the servers, which
+    then refused every caller, and the actor failed its first call with 'INTERNAL: Invalid metadata'. A FIFO whose
+    writer stalls held the start, deaf to SIGTERM. Each now stops the start (exit 2) naming the setting and the
+    reason, never the token's characters."""
+    cases = {"bom": ("\ufeff" + TOKEN + "\n", "starts with a byte-order mark"),
+             "two-lines": (TOKEN + "\nsecond-line\n", "spans more than one line"),
+             "non-ascii": ("s3cret-t\u00f6ken\n", "has a character other than printable ASCII at character 9"),
+             "fifo": (None, "is not a regular file")}
+    for name, (text, _) in cases.items():
+        if text is None:
+            __import__("os").mkfifo(tmp_path / name)  # nothing ever writes it: opened for reading, it would block
+        else:
+            (tmp_path / name).write_text(text, encoding="utf-8")
+
+    def start(name: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "reward_server", "--port", str(free_port()), "--http-port", str(free_port()),
+               "--scorer", "exact_match", "--auth-token-file", str(tmp_path / name)]
+        return subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = dict(zip(cases, pool.map(start, cases), strict=True))
+    for name, (_, why) in cases.items():
+        result = results[name]
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert "auth_token_file: " in result.stderr and why in result.stderr, (name, result.stderr[-2000:])
+        assert "s3cret" not in result.stderr
+    actor = subprocess.run([*actor_command("grpo", tmp_path / "run", f"reward.address=127.0.0.1:{free_port()}"),
+                            "--auth-token-file", str(tmp_path / "bom")],
+                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert actor.returncode == 2 and "starts with a byte-order mark" in actor.stderr, actor.stderr[-2000:]
+
+
+def test_a_server_listens_on_an_ipv6_host(tmp_path):
+    """`--host ::1` was read as YAML, and `[::1]` or `::` failed as 'is the port taken?': the gRPC address lacked
+    the brackets an IPv6 literal needs, and the REST bind passed them to getaddrinfo."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    grpc_port, http_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "reward_server", "--host", "::1", "--port", str(grpc_port), "--http-port",
+           str(http_port), "--scorer", "exact_match"]
+    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read()[-2000:]
+            try:
+                if httpx.get(f"http://[::1]:{http_port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"[::1]:{grpc_port}") as ch:
+            info = reward_pb2_grpc.RewardServiceStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+        assert info.model == "rule:exact_match"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    # `--host ::` is the host `::`: refused beyond loopback for want of a token, not a type error
+    env = {k: v for k, v in __import__("os").environ.items() if k != TOKEN_ENV}
+    result = subprocess.run([*cmd[:4], "::", *cmd[5:]], check=False, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 2 and "refusing to listen on :: with no authentication" in result.stderr, \
+        result.stderr[-2000:]
+
+
+def test_the_actor_says_when_its_token_would_cross_a_network_in_clear_text(pki, tmp_path):
+    """A token sent without TLS to a server beyond this machine can be read by anyone watching the network: said at
+    start, once per such server; TLS settings with an http:// reward URL (which ignored them) are a config error."""
+    from actor.clients import target_host
+
+    assert [target_host(t) for t in ("gpu-1:5555", "[::1]:5555", "dns:///rm:5556", "unix:/run/critic.sock",
+                                     "https://rm:8002/get_reward")] == ["gpu-1", "::1", "rm", None, "rm"]
+    far = "192.0.2.1:5555"  # TEST-NET-1: nothing answers there
+    result = subprocess.run([*actor_command("ppo", tmp_path / "a", f"critic.address={far}", "critic.connect_timeout_s=1",
+                                            f"reward.address=127.0.0.1:{free_port()}"),
+                             "--auth-token-file", str(pki / "token")],
+                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert f"the bearer token goes to the critic server at {far} in clear text" in result.stderr, result.stderr[-2000:]
+    assert "to the reward server" not in result.stderr  # loopback
+    config = subprocess.run(actor_command("ppo", tmp_path / "b", "reward.source=openrlhf",
+                                          "reward.url=http://rm:8002/get_reward", f"reward.tls_ca_file={pki / 'ca.pem'}"),
+                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert config.returncode == 2 and "reward.tls_ca_file is set, but reward.url=http://rm:8002/get_reward is not " \
+        "https://" in config.stderr, config.stderr[-2000:]
