@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from serving.config import StrictModel
 from serving.server_config import ServerConfig
 
 from .scorers import SCORERS, describe_scorers
@@ -15,6 +16,17 @@ def _check_scorer(name: str) -> str:
     if name not in SCORERS:
         raise ValueError(f"unknown scorer {name!r}; allowed: {', '.join(sorted(SCORERS))}")
     return name
+
+
+class MathVerifyConfig(StrictModel):
+    """The worker processes of the math_verify scorer (as `scorer` or among `components`)."""
+
+    workers: int = Field(0, ge=0, le=64, description="Worker processes scoring samples side by side; 0: num_threads, or "
+                         "one per core when that is 0 too. Each takes some 150 MB and one core while it scores.")
+    timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False, description="The longest one sample may take: past it "
+                             "its worker is killed and replaced and the sample scores 0.0, logged and counted in "
+                             "ppo_reward_math_verify_timeouts_total (math-verify's own limits, 1 s to parse each side and "
+                             "1 s to compare, stop most inputs first; not those a signal cannot interrupt).")
 
 
 class RewardConfig(ServerConfig):
@@ -61,6 +73,7 @@ class RewardConfig(ServerConfig):
         "normalize_reward: true). Unset follows the checkpoint's own normalize_reward; true requires mean and std "
         "there; false reports raw scores. Not for a rule `scorer`.",
     )
+    math_verify: MathVerifyConfig = Field(default_factory=MathVerifyConfig)
     seed: int = Field(1234, description="torch seed set before loading (a checkpoint without a score head "
                                         "gets a random one).")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from serving.validation import check_int_vector, check_lengths, check_tokens
 from .config import RewardConfig
 from .scorers import SCORERS, component_name
 from .special_text import COMMON_END_MARKS, special_marks, without_end_marks
+from .verifier import MathVerifyPool
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,9 @@ ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 class RewardCore:
     def __init__(self, cfg: RewardConfig, observe_pass: PassObserver = no_observer,
-                 on_truncated: Callable[[int], None] = lambda n: None):
+                 on_truncated: Callable[[int], None] = lambda n: None, on_verify_timeout: Callable[[], None] = lambda: None):
         self.cfg = cfg
+        self.on_verify_timeout = on_verify_timeout  # a math_verify sample past math_verify.timeout_s
         self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
         self.on_truncated = on_truncated  # how many texts a request had cut to the max length (long_texts=truncate)
         self.device = resolve_device(cfg.device)
@@ -84,6 +87,7 @@ class RewardCore:
         self.encoder = False  # an encoder scoring (prompt, response) pairs with its own head, not a decoder's last token
         # Rule scorers whose results are returned as components: the scorer itself, then the extra ones.
         self.component_scorers = list(dict.fromkeys([*([cfg.scorer] if cfg.scorer else []), *cfg.components]))
+        self.verifier: MathVerifyPool | None = None  # the math_verify scorer's worker processes (load() starts them)
 
     # --- loading --------------------------------------------------------------------------------
     def max_length_hint(self) -> int | None:
@@ -127,6 +131,11 @@ class RewardCore:
             self.vocab_size = len(self.tokenizer)
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
+        if "math_verify" in self.component_scorers:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            workers = cfg.math_verify.workers or cfg.num_threads or cores
+            self.verifier = MathVerifyPool(workers, cfg.math_verify.timeout_s, on_timeout=self.on_verify_timeout)
+            log.info("math_verify: %d worker process(es), %.1f s a sample at most", workers, cfg.math_verify.timeout_s)
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
         self.end_marks = special_marks((*self.tokenizer.all_special_tokens, *COMMON_END_MARKS))
         # no token spells more characters than the longest in the vocabulary (normalizers aside, hence the factor 4):
@@ -383,6 +392,9 @@ class RewardCore:
         if req.responses is None:  # decoded here, on the model thread, and kept for the next scorer
             req.responses = self.tokenizer.batch_decode(req.response_ids, skip_special_tokens=True)
         labels = req.labels or [None] * req.rows
+        if scorer.score is None:  # math_verify, in worker processes
+            assert self.verifier is not None
+            return self.verifier.score(req.responses, labels)
         return [scorer.score(response, label) for response, label in zip(req.responses, labels, strict=True)]
 
 

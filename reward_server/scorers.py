@@ -17,9 +17,10 @@ from embedded.task import negative_fraction, positive_fraction, response_words
 @dataclass(frozen=True)
 class RuleScorer:
     """`score(response, label)`: `response` is the response alone (prompt removed, special tokens skipped);
-    `label` is the sample's reference answer, or None when the request carries no labels."""
+    `label` is the sample's reference answer, or None when the request carries no labels. A scorer without `score`
+    runs in worker processes the reward server starts (math_verify: reward_server.verifier)."""
 
-    score: Callable[[str, str | None], float]
+    score: Callable[[str, str | None], float] | None
     description: str
     needs_labels: bool = False
 
@@ -171,6 +172,15 @@ SCORERS: dict[str, RuleScorer] = {
         "value (1,000 = 1{,}000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2} = \\frac12 = 5e-1, $, %, degrees, a unit after "
         "the number and x = dropped, \\text{...} and markdown bold unwrapped; an exponent past 3 digits compares as "
         "text), else 0.0; requests must carry labels",
+        needs_labels=True,
+    ),
+    "math_verify": RuleScorer(
+        None,
+        "Hugging Face's math-verify as NeMo-RL's math environment calls it: 1.0 when the response's answer (a "
+        "plain expression or LaTeX, its last \\boxed{...} first) is mathematically equal to the label's (its "
+        "\\boxed{...} or #### answer, else the whole label), symbolically (\\sqrt{8} = 2\\sqrt{2}, (x+1)^2 = "
+        "x^2+2x+1, sets, intervals), else 0.0; in worker processes with a time limit (math_verify); requests must "
+        "carry labels",
         needs_labels=True,
     ),
 }

@@ -889,6 +889,39 @@ def test_a_math_answer_server_scores_gsm8k_style_answers_over_openrlhf_s_protoco
     assert out["rewards"] == [reward for _, _, reward in cases]
 
 
+def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_sample(embedded_cache, log_dir):
+    """math-verify (NeMo-RL's math verifier) in worker processes: equal answers in other forms score 1.0 where
+    math_answer compares text; a sample no signal can stop within its own limits (a timeout of 0.5 s here) has its
+    worker replaced and scores 0.0, counted, and the server goes on scoring."""
+    prompt = "Q: Simplify. A:"
+    cases = [(" so the answer is $\\boxed{\\frac{\\sqrt{3}}{2}}$", "\\dfrac{\\sqrt3}{2}", 1.0),
+             (" \\boxed{(x+1)^2}", "x^2+2x+1", 1.0), (" \\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
+             (" \\boxed{[0, 1)}", "[0,1)", 1.0), (" \\boxed{[0, 1]}", "[0,1)", 0.0),
+             (" 48 + 24 = 72. The answer is 72.", "Natalia sold 48/2 = 24 clips in May. #### 72", 1.0),
+             (" The answer is 71.", "#### 72", 0.0), (" \\fbox{12}", "12", 1.0), (" \u221242", "-42", 1.0)]
+    with ServiceProcess("reward", "--scorer", "math_verify", "math_verify.workers=2", log_dir=log_dir,
+                        env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
+        out = openrlhf_rewards(f"{server.http}/get_reward", [prompt + r for r, _, _ in cases], [prompt] * len(cases),
+                               [label for _, label, _ in cases])
+        assert out["rewards"] == [reward for _, _, reward in cases]
+        with grpc.insecure_channel(server.address) as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+            assert info.model == "rule:math_verify" and info.needs_labels
+            reply = stub.Score(reward_pb2.ScoreRequest(texts=[prompt + r for r, _, _ in cases[:2]],
+                                                       prompts=[prompt] * 2, labels=[c[1] for c in cases[:2]]))
+            assert decode(reply.rewards, "r").tolist() == [1.0, 1.0]
+    with ServiceProcess("reward", "--scorer", "math_verify", "math_verify.workers=1", "math_verify.timeout_s=0.5",
+                        log_dir=log_dir, env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
+        started = time.monotonic()
+        out = openrlhf_rewards(f"{server.http}/get_reward", ["\\boxed{10^{10^{10}}}", "The answer is 72."], [],
+                               ["1", "#### 72"])
+        assert out["rewards"] == [0.0, 1.0] and time.monotonic() - started < 30
+        metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
+        assert "ppo_reward_math_verify_timeouts_total 1.0" in metrics
+        assert "math_verify did not score a sample within 0.5 s" in server.log()
+
+
 def test_a_query_that_does_not_start_with_its_prompt_is_scored_whole(rule_server, rule_stub):
     """OpenRLHF truncates long prompts: the query then holds less of the prompt than `prompts` does."""
     prompts = ["river castle winter =>", "ocean =>", "city =>"]
