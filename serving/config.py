@@ -11,7 +11,8 @@ import re
 import tempfile
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
@@ -227,8 +228,8 @@ def _is_text(model: type[BaseModel], key: str) -> bool:
             return False
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             model = field.annotation
-    types = get_args(field.annotation) or (field.annotation,)
-    return str in types
+    annotation = field.annotation
+    return annotation is str or (get_origin(annotation) in (Union, UnionType) and str in get_args(annotation))
 
 
 def parse_cli(

@@ -95,7 +95,7 @@ def read_security_file(path: str, key: str) -> bytes:
 
 def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
     """The token from `path`, else from PPO_SERVICES_AUTH_TOKEN, else None. Surrounding whitespace is dropped; a token
-    no client could send in an authorization header (not one word of printable ASCII) is a SecurityError, where it
+    no client could send in an authorization header (not one line of printable ASCII) is a SecurityError, where it
     used to start a server that refused every caller."""
     if path:
         try:
@@ -111,8 +111,8 @@ def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
             log.warning("%s is set but blank: no bearer token is required", TOKEN_ENV)
         source = f"{TOKEN_ENV}: the token"
     if token and (why := _unsendable(token)) is not None:
-        raise SecurityError(f"{source} {why}: a bearer token must be one word of printable ASCII (letters, digits and "
-                            f"punctuation, no spaces), which every gRPC and HTTP client can send")
+        raise SecurityError(f"{source} {why}: a bearer token must be one line of printable ASCII (letters, digits, "
+                            f"punctuation and spaces), which every gRPC and HTTP client can send")
     return token or None
 
 
@@ -121,12 +121,12 @@ def _unsendable(token: str) -> str | None:
     if token.startswith("\ufeff"):
         return "starts with a byte-order mark (the file was saved with one: save it without)"
     for i, ch in enumerate(token, 1):
-        if "!" <= ch <= "~":
+        if " " <= ch <= "~":
             continue
         if ch in "\r\n":
             return f"spans more than one line (a line break after character {i - 1})"
         if ch.isspace():
-            return f"has a space at character {i}"
+            return f"has a tab or other control whitespace at character {i}"
         return f"has a character other than printable ASCII at character {i}"
     return None
 
