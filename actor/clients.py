@@ -159,6 +159,8 @@ def check_tls_files(name: str, cfg: RemoteConfig) -> None:
     (actor.servers.Servers checks them all before it waits for any server), naming the setting (gRPC would have
     refused each connection with a handshake error, and OpenSSL asked the terminal for an encrypted key's
     passphrase)."""
+    for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):  # regular files first: OpenSSL would block on a FIFO
+        read_pem(getattr(cfg, key), f"{name}.{key}")
     if cfg.tls_ca_file:
         check_ca_file(cfg.tls_ca_file, f"{name}.tls_ca_file")
     if cfg.tls_cert_file:

@@ -587,6 +587,12 @@ def test_a_token_no_client_can_send_or_a_file_that_never_ends_stops_the_start(tm
                             "--auth-token-file", str(tmp_path / "bom")],
                            check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert actor.returncode == 2 and "starts with a byte-order mark" in actor.stderr, actor.stderr[-2000:]
+    # the actor's TLS files too (OpenSSL, reading a FIFO as a CA bundle, waited for its writer)
+    actor = subprocess.run(actor_command("grpo", tmp_path / "run", f"reward.address=127.0.0.1:{free_port()}",
+                                         f"reward.tls_ca_file={tmp_path / 'fifo'}"),
+                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert actor.returncode == 2 and f"reward.tls_ca_file: {tmp_path / 'fifo'} is not a regular file" in actor.stderr, \
+        actor.stderr[-2000:]
 
 
 def test_a_server_listens_on_an_ipv6_host(tmp_path):
