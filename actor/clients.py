@@ -167,17 +167,20 @@ def check_tls_files(name: str, cfg: RemoteConfig) -> None:
         load_key_pair(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), cfg.tls_cert_file, cfg.tls_key_file, f"{name}.")
 
 
-def target_host(target: str) -> str | None:
-    """The host a gRPC target (`host:port`, `[::1]:5555`, `dns:///host:port`, `ipv4:10.0.0.1:5555`) or an http(s)
-    URL dials; None for a Unix socket."""
+def target_hosts(target: str) -> list[str]:
+    """The hosts a gRPC target (`host:port`, `[::1]:5555`, `dns:///host:port`, `ipv4:10.0.0.1:5555,10.0.0.2:5555`) or
+    an http(s) URL may dial; none for a Unix socket."""
     if target.startswith(("unix:", "unix-abstract:")):
-        return None
+        return []
     if "://" in target and not target.startswith("dns:"):
-        return urllib.parse.urlsplit(target).hostname or ""
-    target = re.sub(r"^(dns:(//[^/]*)?/|ipv4:|ipv6:)", "", target).split(",")[0]
-    if target.startswith("["):
-        return target[1:].partition("]")[0]
-    return target.rpartition(":")[0] if target.count(":") == 1 else target
+        return [urllib.parse.urlsplit(target).hostname or ""]
+    hosts = []
+    for address in re.sub(r"^(dns:(//[^/]*)?/|ipv4:|ipv6:)", "", target).split(","):
+        if address.startswith("["):
+            hosts.append(address[1:].partition("]")[0])
+        else:
+            hosts.append(address.rpartition(":")[0] if address.count(":") == 1 else address)
+    return hosts
 
 
 def warn_clear_text_token(name: str, target: str, tls: bool) -> None:
@@ -185,13 +188,13 @@ def warn_clear_text_token(name: str, target: str, tls: bool) -> None:
     watch that network can read it and call the server as this run (gRPC's own token credentials refuse an
     insecure channel for that reason). Inside a private network (compose, a cluster with NetworkPolicies) that
     may be the choice; it is said once, at start."""
-    host = target_host(target)
-    if tls or host is None or is_loopback(host):
+    beyond = [host for host in target_hosts(target) if not is_loopback(host)]
+    if tls or not beyond:
         return
     log.warning("the bearer token goes to the %s server at %s in clear text (no TLS, and %s is not a loopback "
                 "address): anyone who can watch that network can read it and call the server. Serve it over TLS "
                 "(the server's --tls-cert-file/--tls-key-file, this run's %s.tls_ca_file) unless the network is "
-                "private", name, target, host, name)
+                "private", name, target, " and ".join(beyond), name)
 
 
 def open_channel(name: str, cfg: RemoteConfig, token: str | None = None) -> grpc.Channel:
@@ -255,12 +258,15 @@ def unreachable_reason(e: grpc.RpcError) -> str:
 def tls_failure(details: str) -> str | None:
     """What a failed TLS handshake's details (lower case) say about the certificates, in words an operator can act
     on; None when they are not about TLS. Waiting cannot mend any of these."""
+    if "hostname verification" in details or "hostname mismatch" in details or "ip address mismatch" in details:
+        return "the server's certificate is for another host name than the address this client dials"
     if "certificate_verify_failed" in details or "certificate verify failed" in details:
         if "expired" in details:
             return "the server's certificate has expired"
         return "the server's certificate is not signed by the CA this client trusts (tls_ca_file)"
-    if "hostname verification" in details or "hostname mismatch" in details:
-        return "the server's certificate is for another host name than the address this client dials"
+    if "alert certificate required" in details or "alert bad certificate" in details or "alert unknown ca" in details:
+        return ("the server refused this client's certificate, or wants one: present one its tls_client_ca_file "
+                "signed (tls_cert_file, tls_key_file)")
     if "tls handshake failed" in details or "ssl handshake failed" in details:
         return "the server's TLS settings do not fit this client's"
     return None

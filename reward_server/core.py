@@ -133,7 +133,7 @@ class RewardCore:
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         if "math_verify" in self.component_scorers:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            workers = cfg.math_verify.workers or cfg.num_threads or cores
+            workers = min(cfg.math_verify.workers or cfg.num_threads or cores, 64)
             self.verifier = MathVerifyPool(workers, cfg.math_verify.timeout_s, on_timeout=self.on_verify_timeout)
             log.info("math_verify: %d worker process(es), %.1f s a sample at most", workers, cfg.math_verify.timeout_s)
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
@@ -358,12 +358,7 @@ class RewardCore:
         similar length, each trimmed to its longest row."""
         model_rewards = self._model_rewards(requests) if self.model is not None else None
         out = []
-        for i, req in enumerate(requests):
-            components = {
-                component_name(name): torch.tensor(scores, dtype=torch.float32)
-                for name in self.component_scorers
-                if (scores := self._rule_scores(name, req)) is not None
-            }
+        for i, (req, components) in enumerate(zip(requests, self._rule_components(requests), strict=True)):
             if model_rewards is not None:
                 reward = model_rewards[i]
             else:  # validation made sure the request has what the scorer needs
@@ -382,20 +377,35 @@ class RewardCore:
         rewards = self.normalize_reward(rewards)
         return list(rewards.split([r.rows for r in requests]))
 
-    def _rule_scores(self, name: str, req: ScoreInput) -> list[float] | None:
-        """Scores of rule scorer `name` for each sample, or None when the request lacks what it needs."""
-        scorer = SCORERS[name]
-        if scorer.needs_labels and req.labels is None:
-            return None
-        if req.responses is None and req.response_ids is None:
-            return None
-        if req.responses is None:  # decoded here, on the model thread, and kept for the next scorer
+    def _rule_components(self, requests: list[ScoreInput]) -> list[dict[str, torch.Tensor]]:
+        """Each request's rule scores, by component name. Each scorer runs once over the samples of every request
+        that has what it needs (labels, responses), so math_verify's workers take a merged batch's samples side by
+        side."""
+        out: list[dict[str, torch.Tensor]] = [{} for _ in requests]
+        for name in self.component_scorers:
+            scorer = SCORERS[name]
+            able = [i for i, req in enumerate(requests) if self._responses(req) is not None
+                    and not (scorer.needs_labels and req.labels is None)]
+            responses = [r for i in able for r in requests[i].responses]
+            labels = [label for i in able for label in (requests[i].labels or [None] * requests[i].rows)]
+            if scorer.score is not None:
+                scores = [scorer.score(response, label) for response, label in zip(responses, labels, strict=True)]
+            else:  # math_verify, in worker processes
+                assert self.verifier is not None
+                scores = self.verifier.score(responses, labels) if responses else []
+            start = 0
+            for i in able:
+                out[i][component_name(name)] = torch.tensor(scores[start:start + requests[i].rows],
+                                                            dtype=torch.float32)
+                start += requests[i].rows
+        return out
+
+    def _responses(self, req: ScoreInput) -> list[str] | None:
+        """The request's responses as text, decoded here (on the model thread) and kept for the next scorer; None
+        when it carries neither texts nor token ids of them."""
+        if req.responses is None and req.response_ids is not None:
             req.responses = self.tokenizer.batch_decode(req.response_ids, skip_special_tokens=True)
-        labels = req.labels or [None] * req.rows
-        if scorer.score is None:  # math_verify, in worker processes
-            assert self.verifier is not None
-            return self.verifier.score(req.responses, labels)
-        return [scorer.score(response, label) for response, label in zip(req.responses, labels, strict=True)]
+        return req.responses
 
 
 MAX_TEXT_CHARS = 2**22  # the most characters of one text tokenized, whatever the max length (4 Mi)

@@ -4,20 +4,24 @@ processes.
 math-verify bounds its parsing and comparing with SIGALRM, which only a process's main thread may use, while the
 reward server scores on its model thread. So samples go to worker processes (`verifier_worker`) that score on their
 main thread with those timeouts; one that has not answered within `timeout_s` (a computation no signal interrupts,
-an exact 10^(10^10)) is killed and replaced, and its sample scores 0.0, logged and counted.
+an exact 10^(10^10)) is killed, and its sample scores 0.0, logged and counted. A worker that is gone (killed, or
+killed for its time) is started again when it is next needed; a sample whose worker died before answering is sent
+to another.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import selectors
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
+
+from serving.errors import ServiceError
 
 from .scorers import final_answer
 
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # The tail of a response that is parsed: the answer is at its end, and parsing is not linear in the text
 RESPONSE_TAIL_CHARS = 16384
+START_TIMEOUT_S = 60.0  # a worker imports math-verify and sympy: a second or two
 _MINUS = str.maketrans("\u2212", "-")  # a Unicode minus sign is a minus
 
 
@@ -42,93 +47,122 @@ def response_text(response: str) -> str:
 
 
 class _Worker:
+    """One worker process, started and awaited until it says it is ready; a ServiceError when it cannot start."""
+
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reward_server.verifier_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, encoding="utf-8", bufsize=1,
             start_new_session=True)  # its own session: a terminal's Ctrl-C reaches the server, which ends it
-        self.ready = False
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            line = self.proc.stdout.readline() if sel.select(START_TIMEOUT_S) else ""
+        if line.strip() != json.dumps("ready"):
+            self.kill()
+            said = json.loads(line) if line.startswith("{") else {"error": line.strip()[:200] or "nothing"}
+            raise ServiceError(f"a math_verify worker process cannot start: {said.get('error')}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, response: str, label: str) -> bool:
+        """Send one sample; False when the process is gone."""
+        try:
+            self.proc.stdin.write(json.dumps([response_text(response), gold_text(label)]) + "\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError, ValueError):  # ValueError: its pipe closed by kill()
+            return False
 
     def kill(self) -> None:
-        self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
-            pipe.close()
+            try:
+                pipe.close()
+            except OSError:  # a write left in the buffer of a pipe whose reader is gone
+                pass
 
 
 class MathVerifyPool:
-    """`workers` processes scoring (response, label) pairs; `score` spreads a batch over them and waits."""
+    """`workers` processes scoring (response, label) pairs; `score` spreads a batch over them and waits. Called from
+    one thread at a time (the server's model thread)."""
 
-    def __init__(self, workers: int, timeout_s: float, on_timeout: Callable[[], None] = lambda: None,
-                 start_timeout_s: float = 120.0):
+    def __init__(self, workers: int, timeout_s: float, on_timeout: Callable[[], None] = lambda: None):
         self.timeout_s, self.on_timeout = timeout_s, on_timeout
         self.timeouts = 0  # samples scored 0.0 because their worker did not answer in time
-        self._lock = threading.Lock()
-        self._workers = [_Worker() for _ in range(workers)]
-        for worker in self._workers:  # started together, awaited in turn (each imports sympy: a second or two)
-            self._await_ready(worker, start_timeout_s)
+        self._slots: list[_Worker | None] = [None] * workers
+        for i in range(workers):  # at start, so a missing math-verify stops the server before it is ready
+            self._slots[i] = _Worker()
+        atexit.register(self.close)  # at exit, not left scoring a sample for a server that is gone
 
-    @staticmethod
-    def _await_ready(worker: _Worker, timeout_s: float) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(worker.proc.stdout, selectors.EVENT_READ)
-            line = worker.proc.stdout.readline() if sel.select(timeout_s) else ""
-        if line.strip() != json.dumps("ready"):
-            worker.kill()
-            raise RuntimeError(f"the math_verify worker did not start (is math-verify installed?); it said "
-                               f"{line.strip()[:200]!r}")
-        worker.ready = True
+    def _worker(self, slot: int) -> _Worker:
+        """The slot's worker, started again if it is gone."""
+        worker = self._slots[slot]
+        if worker is None or not worker.alive():
+            if worker is not None:
+                worker.kill()
+                log.warning("a math_verify worker process had exited (%s): starting another", worker.proc.returncode)
+            self._slots[slot] = None
+            self._slots[slot] = worker = _Worker()
+        return worker
 
     def score(self, responses: list[str], labels: list[str]) -> list[float]:
         """1.0 or 0.0 for each response against its label."""
-        with self._lock:
-            return self._score(deque(enumerate(zip(responses, labels, strict=True))), len(responses))
-
-    def _score(self, todo: deque, n: int) -> list[float]:
-        scores = [0.0] * n
-        idle = list(self._workers)
-        busy: dict[object, tuple[_Worker, int, float]] = {}  # its stdout -> (worker, sample, deadline)
-        with selectors.DefaultSelector() as sel:
+        scores = [0.0] * len(responses)
+        todo = deque(enumerate(zip(responses, labels, strict=True)))
+        idle = list(range(len(self._slots)))
+        busy: dict[object, tuple[int, int, tuple[str, str], float]] = {}  # stdout -> (slot, sample, pair, deadline)
+        lost: set[int] = set()  # samples whose worker died under them once: a second death scores them 0.0
+        sel = selectors.DefaultSelector()
+        try:
             while todo or busy:
                 while todo and idle:
-                    worker = idle.pop()
-                    i, (response, label) = todo.popleft()
-                    worker.proc.stdin.write(json.dumps([response_text(response), gold_text(label)]) + "\n")
-                    worker.proc.stdin.flush()
-                    busy[worker.proc.stdout] = (worker, i, time.monotonic() + self.timeout_s)
+                    slot = idle.pop()
+                    worker = self._worker(slot)
+                    i, pair = todo.popleft()
+                    if not worker.send(*pair):  # it died since: the next round starts another for the sample
+                        todo.appendleft((i, pair))
+                        idle.append(slot)
+                        continue
+                    busy[worker.proc.stdout] = (slot, i, pair, time.monotonic() + self.timeout_s)
                     sel.register(worker.proc.stdout, selectors.EVENT_READ)
-                wait = max(0.0, min(deadline for _, _, deadline in busy.values()) - time.monotonic())
+                if not busy:
+                    continue
+                wait = max(0.0, min(deadline for *_, deadline in busy.values()) - time.monotonic())
                 for key, _ in sel.select(wait):
-                    worker, i, _ = busy.pop(key.fileobj)
+                    slot, i, pair, _ = busy.pop(key.fileobj)
                     sel.unregister(key.fileobj)
-                    line = worker.proc.stdout.readline()
+                    idle.append(slot)
+                    line = key.fileobj.readline()
                     if line:
                         scores[i] = float(json.loads(line))
-                        idle.append(worker)
-                    else:  # it died (killed from outside, say): replaced, and its sample scores 0
-                        log.error("a math_verify worker exited (%s) while it scored a sample: replaced; the sample "
-                                  "scores 0.0", worker.proc.wait())
-                        idle.append(self._replace(worker))
+                    elif i not in lost:  # it died while it scored (killed from outside, say): sent to another
+                        log.error("a math_verify worker process exited while it scored a sample: sending it again")
+                        lost.add(i)
+                        todo.appendleft((i, pair))
+                    else:  # the sample kills its workers
+                        log.error("math_verify workers exited twice while they scored one sample: it scores 0.0")
                 now = time.monotonic()
-                for out, (worker, i, deadline) in list(busy.items()):
+                for out, (slot, i, _, deadline) in list(busy.items()):
                     if deadline <= now:
                         del busy[out]
                         sel.unregister(out)
+                        self._slots[slot].kill()  # started again when next needed
+                        idle.append(slot)
                         self.timeouts += 1
                         self.on_timeout()
-                        log.warning("math_verify did not score a sample within %.1f s (math_verify.timeout_s): its "
-                                    "worker is replaced and the sample scores 0.0 (%d so far)", self.timeout_s,
+                        log.warning("math_verify did not score a sample within %.1f s (math_verify.timeout_s): "
+                                    "it scores 0.0 and its worker process is replaced (%d so far)", self.timeout_s,
                                     self.timeouts)
-                        idle.append(self._replace(worker))
+        finally:  # a failure mid-batch: no worker keeps an answer nobody reads, which the next batch would take
+            for slot, *_ in busy.values():
+                self._slots[slot].kill()
+            sel.close()
         return scores
 
-    def _replace(self, worker: _Worker) -> _Worker:
-        worker.kill()
-        fresh = _Worker()
-        self._workers[self._workers.index(worker)] = fresh
-        self._await_ready(fresh, 120.0)
-        return fresh
-
     def close(self) -> None:
-        for worker in self._workers:
-            worker.kill()
+        for worker in self._slots:
+            if worker is not None:
+                worker.kill()

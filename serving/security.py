@@ -99,14 +99,14 @@ def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
     used to start a server that refused every caller."""
     if path:
         try:
-            token = read_security_file(path, key).decode("utf-8").strip()
+            token = read_security_file(path, key).decode("utf-8").strip(_ASCII_SPACE)
         except UnicodeDecodeError:
             raise SecurityError(f"{key}: {path} is not UTF-8 text") from None
         if not token:
             raise SecurityError(f"{key}: {path} is empty")
         source = f"{key}: the token in {path}"
     else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
+        token = os.environ.get(TOKEN_ENV, "").strip(_ASCII_SPACE)
         if not token and TOKEN_ENV in os.environ:
             log.warning("%s is set but blank: no bearer token is required", TOKEN_ENV)
         source = f"{TOKEN_ENV}: the token"
@@ -114,6 +114,11 @@ def load_token(path: str | None, key: str = "auth_token_file") -> str | None:
         raise SecurityError(f"{source} {why}: a bearer token must be one line of printable ASCII (letters, digits, "
                             f"punctuation and spaces), which every gRPC and HTTP client can send")
     return token or None
+
+
+# What is dropped around a token: ASCII whitespace only, so that a token with other blanks at its ends (a no-break
+# space) is refused whole rather than taken without them, which a client sending the file's bytes would not match
+_ASCII_SPACE = " \t\r\n\f\v"
 
 
 def _unsendable(token: str) -> str | None:
@@ -125,7 +130,7 @@ def _unsendable(token: str) -> str | None:
             continue
         if ch in "\r\n":
             return f"spans more than one line (a line break after character {i - 1})"
-        if ch.isspace():
+        if ch in "\t\v\f":
             return f"has a tab or other control whitespace at character {i}"
         return f"has a character other than printable ASCII at character {i}"
     return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
 import re
 import signal
@@ -920,6 +921,21 @@ def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_
         metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
         assert "ppo_reward_math_verify_timeouts_total 1.0" in metrics
         assert "math_verify did not score a sample within 0.5 s" in server.log()
+        # its worker killed from outside while idle (it used to fail every request after, BrokenPipeError): started
+        # again, and no answer is taken for another sample's
+        workers = subprocess.run(["pgrep", "-f", "reward_server.verifier_worker"], capture_output=True, text=True,
+                                 check=False).stdout.split()
+        killed = 0
+        for pid in workers:
+            if Path(f"/proc/{pid}/stat").exists() and \
+                    int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == server.proc.pid:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+        assert killed == 1
+        for _ in range(2):
+            out = openrlhf_rewards(f"{server.http}/get_reward", ["\\boxed{7}", "\\boxed{2}", "\\boxed{3}"], [],
+                                   ["7", "3", "3"])
+            assert out["rewards"] == [1.0, 0.0, 1.0]
 
 
 def test_a_query_that_does_not_start_with_its_prompt_is_scored_whole(rule_server, rule_stub):

@@ -564,6 +564,7 @@ def test_a_token_no_client_can_send_or_a_file_that_never_ends_stops_the_start(tm
     cases = {"bom": ("\ufeff" + TOKEN + "\n", "starts with a byte-order mark"),
              "two-lines": (TOKEN + "\nsecond-line\n", "spans more than one line"),
              "non-ascii": ("s3cret-t\u00f6ken\n", "has a character other than printable ASCII at character 9"),
+             "no-break-space": ("\u00a0" + TOKEN + "\n", "has a character other than printable ASCII at character 1"),
              "fifo": (None, "is not a regular file")}
     for name, (text, _) in cases.items():
         if text is None:
@@ -635,10 +636,11 @@ def test_a_server_listens_on_an_ipv6_host(tmp_path):
 def test_the_actor_says_when_its_token_would_cross_a_network_in_clear_text(pki, tmp_path):
     """A token sent without TLS to a server beyond this machine can be read by anyone watching the network: said at
     start, once per such server; TLS settings with an http:// reward URL (which ignored them) are a config error."""
-    from actor.clients import target_host
+    from actor.clients import target_hosts
 
-    assert [target_host(t) for t in ("gpu-1:5555", "[::1]:5555", "dns:///rm:5556", "unix:/run/critic.sock",
-                                     "https://rm:8002/get_reward")] == ["gpu-1", "::1", "rm", None, "rm"]
+    assert [target_hosts(t) for t in ("gpu-1:5555", "[::1]:5555", "dns:///rm:5556", "unix:/run/critic.sock",
+                                      "https://rm:8002/get_reward", "ipv4:127.0.0.1:5555,192.0.2.2:5555")] == \
+        [["gpu-1"], ["::1"], ["rm"], [], ["rm"], ["127.0.0.1", "192.0.2.2"]]
     far = "192.0.2.1:5555"  # TEST-NET-1: nothing answers there
     result = subprocess.run([*actor_command("ppo", tmp_path / "a", f"critic.address={far}", "critic.connect_timeout_s=1",
                                             f"reward.address=127.0.0.1:{free_port()}"),
