@@ -76,8 +76,10 @@ ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 class RewardCore:
     def __init__(self, cfg: RewardConfig, observe_pass: PassObserver = no_observer,
-                 on_truncated: Callable[[int], None] = lambda n: None, on_verify_timeout: Callable[[], None] = lambda: None):
+                 on_truncated: Callable[[int], None] = lambda n: None, on_verify_timeout: Callable[[], None] = lambda: None,
+                 abandoned: Callable[[], bool] = lambda: False):
         self.cfg = cfg
+        self.abandoned = abandoned  # every caller of the running batch gone: math_verify stops sending its samples
         self.on_verify_timeout = on_verify_timeout  # a math_verify sample past math_verify.timeout_s
         self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
         self.on_truncated = on_truncated  # how many texts a request had cut to the max length (long_texts=truncate)
@@ -392,7 +394,7 @@ class RewardCore:
                 scores = [scorer.score(response, label) for response, label in zip(responses, labels, strict=True)]
             else:  # math_verify, in worker processes
                 assert self.verifier is not None
-                scores = self.verifier.score(responses, labels) if responses else []
+                scores = self.verifier.score(responses, labels, self.abandoned) if responses else []
             start = 0
             for i in able:
                 out[i][component_name(name)] = torch.tensor(scores[start:start + requests[i].rows],

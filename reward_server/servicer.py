@@ -64,7 +64,8 @@ class RewardService(Service):
                             "(long_texts=truncate)", registry=self.metrics.registry)
         timeouts = Counter(f"{self.metrics.prefix}_math_verify_timeouts", "Samples scored 0.0 by math_verify because "
                            "their worker passed math_verify.timeout_s (and was replaced)", registry=self.metrics.registry)
-        self.core = RewardCore(cfg, self.metrics.observe_pass, truncated.inc, timeouts.inc)
+        self.core = RewardCore(cfg, self.metrics.observe_pass, truncated.inc, timeouts.inc,
+                               abandoned=lambda: self.worker is not None and self.worker.batch_abandoned())
         # one thread: the fast tokenizer is not safe to call from two at once, and it lets the event loop go while
         # it encodes (a 14.5 MiB text request held /health for 1.8 s when it tokenized on the loop)
         self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-tokenize")

@@ -108,8 +108,10 @@ class MathVerifyPool:
             self._slots[slot] = worker = _Worker()
         return worker
 
-    def score(self, responses: list[str], labels: list[str]) -> list[float]:
-        """1.0 or 0.0 for each response against its label."""
+    def score(self, responses: list[str], labels: list[str],
+              abandoned: Callable[[], bool] = lambda: False) -> list[float]:
+        """1.0 or 0.0 for each response against its label. Once `abandoned()` (every caller gone), no further sample
+        is sent: the rest score 0.0, for nobody."""
         scores = [0.0] * len(responses)
         todo = deque(enumerate(zip(responses, labels, strict=True)))
         idle = list(range(len(self._slots)))
@@ -118,6 +120,10 @@ class MathVerifyPool:
         sel = selectors.DefaultSelector()
         try:
             while todo or busy:
+                if todo and abandoned():
+                    log.info("math_verify: the callers of this batch are gone; %d of its samples are not scored",
+                             len(todo))
+                    todo.clear()
                 while todo and idle:
                     slot = idle.pop()
                     worker = self._worker(slot)

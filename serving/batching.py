@@ -57,6 +57,13 @@ class ModelWorker:
         # since that method's last batch: how many callers are calling it concurrently, back to back.
         self._inside: collections.Counter[str] = collections.Counter()
         self._peak: collections.Counter[str] = collections.Counter()
+        self._running: list[_Work] = []  # the batch on the model thread
+
+    def batch_abandoned(self) -> bool:
+        """Whether every caller of the batch running on the model thread has gone (its deadline, a cancel): work
+        that comes in parts (rule scorers in worker processes) may stop there, its results unread."""
+        running = self._running
+        return bool(running) and all(w.future.cancelled() for w in running)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -122,6 +129,7 @@ class ModelWorker:
             for w in batch:
                 self.metrics.queue_time.labels(head.method).observe(now - w.enqueued)
             live = [w for w in batch if not w.future.cancelled()]  # callers that went away are skipped
+            self._running = live
             try:
                 if not live:
                     continue
@@ -139,7 +147,7 @@ class ModelWorker:
                     if not w.future.done():
                         w.future.set_exception(e)
             finally:
-                self._busy = False
+                self._busy, self._running = False, []
                 if head.batchable:
                     self._inside[head.method] -= len(batch)
 

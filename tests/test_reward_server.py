@@ -936,6 +936,16 @@ def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_
             out = openrlhf_rewards(f"{server.http}/get_reward", ["\\boxed{7}", "\\boxed{2}", "\\boxed{3}"], [],
                                    ["7", "3", "3"])
             assert out["rewards"] == [1.0, 0.0, 1.0]
+        # a caller that gives up leaves no work behind: 20 slow samples (10 s or more) no longer hold the next caller
+        with grpc.insecure_channel(server.address) as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Score(reward_pb2.ScoreRequest(texts=["\\boxed{(10^{10})!}"] * 20, labels=["1"] * 20), timeout=2)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            started = time.monotonic()
+            reply = stub.Score(reward_pb2.ScoreRequest(texts=["\\boxed{7}"], labels=["7"]), timeout=60)
+            assert decode(reply.rewards, "r").tolist() == [1.0] and time.monotonic() - started < 5
+        assert "the callers of this batch are gone" in server.log()
 
 
 def test_a_query_that_does_not_start_with_its_prompt_is_scored_whole(rule_server, rule_stub):
