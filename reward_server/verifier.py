@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 
 from serving.errors import ServiceError
+from serving.rest import Throttle
 
 from .scorers import final_answer
 
@@ -92,6 +93,7 @@ class MathVerifyPool:
     def __init__(self, workers: int, timeout_s: float, on_timeout: Callable[[], None] = lambda: None):
         self.timeout_s, self.on_timeout = timeout_s, on_timeout
         self.timeouts = 0  # samples scored 0.0 because their worker did not answer in time
+        self._said = Throttle(60.0)  # a timeout's warning at most once a minute: the count says the rest
         self._slots: list[_Worker | None] = [None] * workers
         for i in range(workers):  # at start, so a missing math-verify stops the server before it is ready
             self._slots[i] = _Worker()
@@ -159,9 +161,10 @@ class MathVerifyPool:
                         idle.append(slot)
                         self.timeouts += 1
                         self.on_timeout()
-                        log.warning("math_verify did not score a sample within %.1f s (math_verify.timeout_s): "
-                                    "it scores 0.0 and its worker process is replaced (%d so far)", self.timeout_s,
-                                    self.timeouts)
+                        if self._said.admit("timeout") is not None:
+                            log.warning("math_verify did not score a sample within %.1f s (math_verify.timeout_s): "
+                                        "it scores 0.0 and its worker process is replaced (%d so far; this warning "
+                                        "comes at most once a minute)", self.timeout_s, self.timeouts)
         finally:  # a failure mid-batch: no worker keeps an answer nobody reads, which the next batch would take
             for slot, *_ in busy.values():
                 self._slots[slot].kill()
