@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from transformers import PreTrainedTokenizerBase
@@ -57,12 +58,34 @@ class GetRewardResponse(BaseModel):
     extra_logs: dict[str, list[float]]
 
 
+class _ClientGone(Exception):
+    pass
+
+
+# How often a /get_reward whose work is still on the model thread checks that its client is still there
+DISCONNECT_CHECK_S = 0.5
+
+
+async def _unless_gone(work: asyncio.Future, request: Request) -> Any:
+    """`work`'s result; once the client has disconnected (OpenRLHF's own timeout closes the connection), `work` is
+    cancelled, so the model thread may stop what comes in parts (math_verify's samples), and _ClientGone raised."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=DISCONNECT_CHECK_S)
+            if done:
+                return work.result()
+            if await request.is_disconnected():
+                raise _ClientGone
+    finally:
+        work.cancel()  # a no-op once it is done; else (gone, or this request cancelled at shutdown) it stops
+
+
 def add_reward_routes(service: RewardService) -> None:
     metrics = service.metrics
     metrics.requests.labels("get_reward", grpc.StatusCode.OK.name)  # at 0 from the start, as every gRPC method
 
     @service.app.post("/get_reward", response_model=GetRewardResponse)
-    async def get_reward(body: GetRewardRequest):
+    async def get_reward(body: GetRewardRequest, request: Request):
         """One reward per query; 400 names the bad field, 503 until the model is loaded."""
         start = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -80,13 +103,17 @@ def add_reward_routes(service: RewardService) -> None:
             inp = await service.validated(texts=[strip(q) for q in body.query],
                                           prompts=[strip(p, start_only=True) for p in body.prompts or []] or None,
                                           labels=labels, texts_field="query")
-            rewards, components = await worker.run_batched("Score", inp.rows, inp, service.core.score_batch)
+            scoring = asyncio.ensure_future(worker.run_batched("Score", inp.rows, inp, service.core.score_batch))
+            rewards, components = await _unless_gone(scoring, request)
             values = rewards.tolist()
             return GetRewardResponse(rewards=values, scores=values,
                                      extra_logs={k: v.tolist() for k, v in components.items()})
         except ServiceError as e:
             code = e.grpc_code
             return JSONResponse({"detail": str(e)}, status_code=e.http_status)
+        except _ClientGone:  # nobody reads an answer; counted as a gRPC call its caller cancelled
+            code = grpc.StatusCode.CANCELLED
+            return JSONResponse({"detail": "the client disconnected"}, status_code=499)
         except asyncio.CancelledError:  # the shutdown's grace period ended first (answered 503: ServingRequests)
             code = grpc.StatusCode.UNAVAILABLE
             raise

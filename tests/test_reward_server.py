@@ -946,6 +946,15 @@ def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_
             reply = stub.Score(reward_pb2.ScoreRequest(texts=["\\boxed{7}"], labels=["7"]), timeout=60)
             assert decode(reply.rewards, "r").tolist() == [1.0] and time.monotonic() - started < 5
         assert "the callers of this batch are gone" in server.log()
+        # and over OpenRLHF's protocol, whose client closes the connection at its timeout
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.http}/get_reward", json={"query": ["\\boxed{(10^{10})!}"] * 20, "labels": ["1"] * 20},
+                       timeout=2)
+        started = time.monotonic()
+        out = openrlhf_rewards(f"{server.http}/get_reward", ["\\boxed{7}"], [], ["7"])
+        assert out["rewards"] == [1.0] and time.monotonic() - started < 5
+        assert 'ppo_reward_requests_total{code="CANCELLED",method="get_reward"} 1.0' in \
+            httpx.get(f"{server.http}/metrics", timeout=10).text
 
 
 def test_a_query_that_does_not_start_with_its_prompt_is_scored_whole(rule_server, rule_stub):
