@@ -211,16 +211,14 @@ def test_a_critic_that_restarts_from_scratch_is_reported_with_the_steps_it_lost(
     assert lost == [("0", str(int(last_old)), str(int(last_old)))], (lost, last_old)
 
 
-def test_a_critic_that_restarts_as_the_last_checkpoint_is_saved_is_not_paired_with_it(reward, log_dir, tmp_path):
-    """The critic (no autosave) dies just before the run's final Save and comes back from the run's start: the Save,
-    retried on the new process, wrote a critic at train step 0 under the step's tag, and the run ended with exit 0
-    saying nothing, its last checkpoint paired with an untrained critic. Now that checkpoint records the critic as
-    unsaved, and the run's last line says so."""
-    ckpt, run_dir = tmp_path / "critic-ckpt", tmp_path / "run"
-    critic = ServiceProcess("critic", "--checkpoint-dir", str(ckpt), log_dir=log_dir)
+def run_with_a_critic_killed_and_restarted(reward, log_dir, run_dir: Path, kill_before: str,
+                                           settings: tuple[str, ...], *overrides: str) -> subprocess.CompletedProcess:
+    """An actor run (PPO_RUN and `overrides`) against a critic with `settings` that tests/inject.py SIGKILLs before
+    the call `kill_before` names, and that a supervisor then starts again, as it was, on the same ports. The run must
+    end with exit 0 after exactly that one restart."""
+    critic = ServiceProcess("critic", *settings, log_dir=log_dir)
     plain = list(critic.argv)
-    # its second Save (the first is the run's start, <run_id>-step_0) kills it, as an OOM or a node loss would
-    critic.argv[1:3] = [str(ROOT / "tests" / "inject.py"), "critic_server.core:CriticCore.save:2", "critic_server"]
+    critic.argv[1:3] = [str(ROOT / "tests" / "inject.py"), kill_before, "critic_server"]
     critic.start()
     restarted: list[ServiceProcess] = []
 
@@ -234,14 +232,26 @@ def test_a_critic_that_restarts_as_the_last_checkpoint_is_saved_is_not_paired_wi
     supervisor.start()
     try:
         run = subprocess.run(actor_command("ppo", run_dir, f"reward.address={reward.address}",
-                                           f"critic.address={critic.address}", "ppo.max_num_steps=2", *PPO_RUN,
-                                           "checkpointing.save_period=2"),
+                                           f"critic.address={critic.address}", *PPO_RUN, *overrides),
                              cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
         supervisor.join(timeout=60)
     finally:
         for proc in (critic, *restarted):
             proc.stop()
     assert restarted and run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_a_critic_that_restarts_as_the_last_checkpoint_is_saved_is_not_paired_with_it(reward, log_dir, tmp_path):
+    """The critic (no autosave) dies just before the run's final Save and comes back from the run's start: the Save,
+    retried on the new process, wrote a critic at train step 0 under the step's tag, and the run ended with exit 0
+    saying nothing, its last checkpoint paired with an untrained critic. Now that checkpoint records the critic as
+    unsaved, and the run's last line says so."""
+    run_dir = tmp_path / "run"
+    # its second Save (the first is the run's start, <run_id>-step_0) kills it, as an OOM or a node loss would
+    run = run_with_a_critic_killed_and_restarted(reward, log_dir, run_dir, "critic_server.core:CriticCore.save:2",
+                                                 ("--checkpoint-dir", str(tmp_path / "critic-ckpt")),
+                                                 "ppo.max_num_steps=2", "checkpointing.save_period=2")
     assert ("restarted before this Save and resumed at train step 0, where this run had left it at 2"
             in run.stderr), run.stderr[-3000:]
     assert not checkpoints.holds_its_critic(run_dir / "checkpoints" / "step_2")
@@ -252,34 +262,12 @@ def test_a_critic_restarted_from_a_checkpoint_that_holds_the_step_s_train_lost_n
     """The critic (autosave_every=1) dies after it applied and autosaved step 2's Train, before its reply went out,
     and a supervisor brings it back: it resumes that autosave, and the actor's retried Train is answered from its
     stored reply (`repeated`). The actor used to log that it resumed before that Train and lost its steps."""
-    ckpt, run_dir = tmp_path / "critic-ckpt", tmp_path / "run"
-    settings = ("--checkpoint-dir", str(ckpt), "autosave_every=1", "autosave_keep=2")
-    critic = ServiceProcess("critic", *settings, log_dir=log_dir)
-    plain = list(critic.argv)
+    run_dir = tmp_path / "run"
     # the second autosave's pruning: step 2's Train is applied and in autosave-2, its reply not yet sent
-    critic.argv[1:3] = [str(ROOT / "tests" / "inject.py"), "critic_server.core:prune_checkpoints:2", "critic_server"]
-    critic.start()
-    restarted: list[ServiceProcess] = []
-
-    def supervise() -> None:
-        critic.proc.wait(timeout=300)
-        again = ServiceProcess("critic", *settings, log_dir=log_dir, grpc_port=critic.grpc_port,
-                               http_port=critic.http_port)
-        again.argv = plain
-        restarted.append(again.start())
-
-    supervisor = threading.Thread(target=supervise, daemon=True)
-    supervisor.start()
-    try:
-        run = subprocess.run(actor_command("ppo", run_dir, f"reward.address={reward.address}",
-                                           f"critic.address={critic.address}", "ppo.max_num_steps=3", *PPO_RUN,
-                                           "checkpointing.save_period=100"),
-                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-        supervisor.join(timeout=60)
-    finally:
-        for proc in (critic, *restarted):
-            proc.stop()
-    assert restarted and run.returncode == 0, run.stderr[-3000:]
+    run = run_with_a_critic_killed_and_restarted(reward, log_dir, run_dir, "critic_server.core:prune_checkpoints:2",
+                                                 ("--checkpoint-dir", str(tmp_path / "critic-ckpt"),
+                                                  "autosave_every=1", "autosave_keep=2"),
+                                                 "ppo.max_num_steps=3", "checkpointing.save_period=100")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["critic/restarts"] for r in rows] == [0.0, 1.0, 1.0]
     assert (f"after it applied this step's Train: it resumed at train step {int(rows[1]['critic/train_step'])} from a "
