@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ from serving.modeling import (
     right_pad,
     sequence_scores,
     text_ids,
+    usable_cores,
     vocab_sha256,
     warm_up,
 )
@@ -134,8 +134,7 @@ class RewardCore:
             limit = self.tokenizer.model_max_length
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         if "math_verify" in self.component_scorers:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            workers = min(cfg.math_verify.workers or cfg.num_threads or cores, 64)
+            workers = min(cfg.math_verify.workers or cfg.num_threads or usable_cores(), 64)
             self.verifier = MathVerifyPool(workers, cfg.math_verify.timeout_s, on_timeout=self.on_verify_timeout)
             log.info("math_verify: %d worker process(es), %.1f s a sample at most", workers, cfg.math_verify.timeout_s)
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
@@ -386,8 +385,8 @@ class RewardCore:
         out: list[dict[str, torch.Tensor]] = [{} for _ in requests]
         for name in self.component_scorers:
             scorer = SCORERS[name]
-            able = [i for i, req in enumerate(requests) if self._responses(req) is not None
-                    and not (scorer.needs_labels and req.labels is None)]
+            able = [i for i, req in enumerate(requests) if not (scorer.needs_labels and req.labels is None)
+                    and self._responses(req) is not None]
             responses = [r for i in able for r in requests[i].responses]
             labels = [label for i in able for label in (requests[i].labels or [None] * requests[i].rows)]
             if scorer.score is not None:

@@ -48,13 +48,15 @@ def response_text(response: str) -> str:
 
 
 class _Worker:
-    """One worker process, started and awaited until it says it is ready; a ServiceError when it cannot start."""
+    """One worker process; `ready()` waits until it says it is ready (a ServiceError when it cannot start)."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "reward_server.verifier_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, encoding="utf-8", bufsize=1,
             start_new_session=True)  # its own session: a terminal's Ctrl-C reaches the server, which ends it
+
+    def ready(self) -> _Worker:
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             line = self.proc.stdout.readline() if sel.select(START_TIMEOUT_S) else ""
@@ -62,6 +64,7 @@ class _Worker:
             self.kill()
             said = json.loads(line) if line.startswith("{") else {"error": line.strip()[:200] or "nothing"}
             raise ServiceError(f"a math_verify worker process cannot start: {said.get('error')}")
+        return self
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -94,21 +97,25 @@ class MathVerifyPool:
         self.timeout_s, self.on_timeout = timeout_s, on_timeout
         self.timeouts = 0  # samples scored 0.0 because their worker did not answer in time
         self._said = Throttle(60.0)  # a timeout's warning at most once a minute: the count says the rest
-        self._slots: list[_Worker | None] = [None] * workers
-        for i in range(workers):  # at start, so a missing math-verify stops the server before it is ready
-            self._slots[i] = _Worker()
+        # started side by side (each imports sympy), at load, so a missing math-verify stops the server before ready
+        self._slots: list[_Worker | None] = [_Worker() for _ in range(workers)]
+        for worker in self._slots:
+            worker.ready()
         atexit.register(self.close)  # at exit, not left scoring a sample for a server that is gone
 
     def _worker(self, slot: int) -> _Worker:
-        """The slot's worker, started again if it is gone."""
-        worker = self._slots[slot]
-        if worker is None or not worker.alive():
-            if worker is not None:
-                worker.kill()
-                log.warning("a math_verify worker process had exited (%s): starting another", worker.proc.returncode)
-            self._slots[slot] = None
-            self._slots[slot] = worker = _Worker()
-        return worker
+        """The slot's worker, started again if it is gone (retired here, or exited by itself)."""
+        if (worker := self._slots[slot]) is not None and not worker.alive():
+            log.warning("a math_verify worker process had exited (%s): starting another", worker.proc.returncode)
+            self._retire(slot)
+        if self._slots[slot] is None:
+            self._slots[slot] = _Worker().ready()
+        return self._slots[slot]
+
+    def _retire(self, slot: int) -> None:
+        """Kill the slot's worker; the next sample for the slot starts another."""
+        self._slots[slot].kill()
+        self._slots[slot] = None
 
     def score(self, responses: list[str], labels: list[str],
               abandoned: Callable[[], bool] = lambda: False) -> list[float]:
@@ -157,7 +164,7 @@ class MathVerifyPool:
                     if deadline <= now:
                         del busy[out]
                         sel.unregister(out)
-                        self._slots[slot].kill()  # started again when next needed
+                        self._retire(slot)
                         idle.append(slot)
                         self.timeouts += 1
                         self.on_timeout()
@@ -167,7 +174,7 @@ class MathVerifyPool:
                                         "comes at most once a minute)", self.timeout_s, self.timeouts)
         finally:  # a failure mid-batch: no worker keeps an answer nobody reads, which the next batch would take
             for slot, *_ in busy.values():
-                self._slots[slot].kill()
+                self._retire(slot)
             sel.close()
         return scores
 

@@ -291,12 +291,17 @@ def pad_and_stack(rows: list[torch.Tensor], pad: int = 0) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the platform says)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def set_thread_budget(n: int, key: str = "num_threads") -> None:
     """The process's torch threads set to `n` (0: torch's default, one per core), with a warning where `n` is more
     than the cores this process may run on: threads past them time-slice the same cores and a step gets slower."""
     if n <= 0:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or n
+    cores = usable_cores()
     if n > cores:
         log.warning("%s=%d is more than the %d CPU cores this process may use; torch's threads will contend for them "
                     "(a value at most %d is faster)", key, n, cores, cores)
