@@ -183,11 +183,15 @@ def target_hosts(target: str) -> list[str]:
     return hosts
 
 
-def warn_clear_text_token(name: str, target: str, tls: bool) -> None:
-    """Log that the bearer token goes to server `name` at `target` without TLS beyond this machine: anyone who can
-    watch that network can read it and call the server as this run (gRPC's own token credentials refuse an
-    insecure channel for that reason). Inside a private network (compose, a cluster with NetworkPolicies) that
-    may be the choice; it is said once, at start."""
+def warn_clear_text_token(name: str, cfg: RemoteConfig) -> None:
+    """Log that the bearer token goes to server `name` (its address, or its URL for an OpenRLHF-protocol reward
+    server) without TLS beyond this machine: anyone who can watch that network can read it and call the server as
+    this run (gRPC's own token credentials refuse an insecure channel for that reason). Inside a private network
+    (compose, a cluster with NetworkPolicies) that may be the choice; it is said once, at start."""
+    if isinstance(cfg, RewardConfig) and cfg.source == "openrlhf" and cfg.url:
+        target, tls = cfg.url, cfg.url.lower().startswith("https://")
+    else:
+        target, tls = cfg.address, bool(cfg.tls_ca_file or cfg.tls_cert_file)
     beyond = [host for host in target_hosts(target) if not is_loopback(host)]
     if tls or not beyond:
         return

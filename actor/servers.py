@@ -24,7 +24,7 @@ from .clients import (
     check_tls_files,
     warn_clear_text_token,
 )
-from .config import ActorConfig
+from .config import ActorConfig, RemoteConfig
 from .data import DataError, Prompt, require_labels
 from .rollouts import RolloutBatch, ScoreFn, chat_scorer, text_scorer, token_scorer
 
@@ -71,15 +71,12 @@ class Servers:
         self.token_ids = token_ids
         self.train_prompts, self.val_prompts = train_prompts, val_prompts
         self.token = load_token(cfg.auth_token_file, "auth_token_file")
-        if self.token:
-            for name, where, tls in self._remotes():
-                warn_clear_text_token(name, where, tls)
         # every TLS file the run reads, before it waits for any server (a bad reward file was found only once the
-        # critic answered)
-        if cfg.needs_critic:
-            check_tls_files("critic", cfg.critic)
-        if (cfg.env.name is None or cfg.env.uses_reward_server) and cfg.reward.source != "critic":
-            check_tls_files("reward", cfg.reward)
+        # critic answered); and a word where the token would cross a network in clear text
+        for name, remote in self._remotes():
+            check_tls_files(name, remote)
+            if self.token:
+                warn_clear_text_token(name, remote)
         self.critic: CriticClient | None = None
         self.critic_restarts, self.critic_seen = 0, ("", 0)
         self.reward_serves: str | None = None  # what the gRPC reward server served at start
@@ -93,15 +90,12 @@ class Servers:
         self.max_length = policy_max_length  # the longest sequence the policy and the critic both take
         self.score = self._connect(policy_max_length)
 
-    def _remotes(self) -> list[tuple[str, str, bool]]:
-        """(name, address or URL, whether over TLS) of each server this run calls."""
-        cfg, remotes = self.cfg, []
-        if cfg.needs_critic:
-            remotes.append(("critic", cfg.critic.address, bool(cfg.critic.tls_ca_file or cfg.critic.tls_cert_file)))
-        if (cfg.env.name is None or cfg.env.uses_reward_server) and cfg.reward.source == "server":
-            remotes.append(("reward", cfg.reward.address, bool(cfg.reward.tls_ca_file or cfg.reward.tls_cert_file)))
-        if cfg.reward.source == "openrlhf" and cfg.reward.url:
-            remotes.append(("reward", cfg.reward.url, cfg.reward.url.lower().startswith("https://")))
+    def _remotes(self) -> list[tuple[str, RemoteConfig]]:
+        """Each server this run calls, by name, with its settings."""
+        cfg = self.cfg
+        remotes: list[tuple[str, RemoteConfig]] = [("critic", cfg.critic)] if cfg.needs_critic else []
+        if (cfg.env.name is None or cfg.env.uses_reward_server) and cfg.reward.source != "critic":
+            remotes.append(("reward", cfg.reward))
         return remotes
 
     def _connect(self, policy_max_length: int) -> ScoreFn | None:
