@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import re
+import socket
 import ssl
 import stat
 import time
@@ -148,12 +149,17 @@ def bearer_matches(header: str | None, token: str) -> bool:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+    """True when `host` is a loopback address, or a name every address of which is one (`localhost` resolved, not
+    trusted by its name: a hosts file may point it elsewhere). A name that does not resolve is not loopback."""
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
         return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
 
 
 def check_exposure(host: str, token: str | None, cfg: SecurityConfig, tls_alone: bool = True) -> None:

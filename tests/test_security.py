@@ -463,6 +463,29 @@ def test_a_server_refuses_to_listen_beyond_loopback_unprotected(embedded_cache, 
     assert "with tls_client_ca_file (mutual TLS" in result.stderr
 
 
+def test_a_host_name_is_loopback_only_when_every_address_it_resolves_to_is(monkeypatch):
+    """`localhost` is resolved, not trusted by its name: a hosts file may point it at a network address, and a server
+    bound there with no token must be refused like one on that address."""
+    from serving import security
+
+    assert security.is_loopback("localhost") and security.is_loopback("[::1]") and security.is_loopback("127.0.0.2")
+    assert not security.is_loopback("0.0.0.0") and not security.is_loopback("192.0.2.1")
+    resolved = {"localhost": ["10.0.0.5"], "both": ["127.0.0.1", "10.0.0.5"], "lo6": ["::1", "fe80::1%lo"]}
+
+    def getaddrinfo(host, port, *args, **kwargs):  # the resolver a hosts file would answer with
+        if host not in resolved:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in resolved[host]]
+
+    monkeypatch.setattr(security.socket, "getaddrinfo", getaddrinfo)
+    assert not security.is_loopback("localhost") and not security.is_loopback("both")
+    assert not security.is_loopback("lo6")  # fe80::1 is link-local, reachable from the network segment
+    resolved["lo6"] = ["::1"]
+    assert security.is_loopback("lo6") and not security.is_loopback("unknown-host")
+    with pytest.raises(SecurityError, match="refusing to listen on localhost"):
+        security.check_exposure("localhost", None, security.SecurityConfig())
+
+
 def test_the_certificate_check_names_what_clients_would_refuse(pki, tmp_path, caplog):
     """The start-up check of a server's certificate chain (check_certificate), on the files operators get wrong."""
     d = tmp_path
