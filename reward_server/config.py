@@ -27,6 +27,11 @@ class MathVerifyConfig(StrictModel):
                              "its worker is killed and replaced and the sample scores 0.0, logged and counted in "
                              "ppo_reward_math_verify_timeouts_total (math-verify's own limits, 1 s to parse each side and "
                              "1 s to compare, stop most inputs first; not those a signal cannot interrupt).")
+    batch_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="The longest one batch (the "
+                                   "requests merged into one pass) may take: past it no further sample of it is sent "
+                                   "and the rest score 0.0, logged and counted in "
+                                   "ppo_reward_math_verify_timeouts_total, so a request of many slow samples whose "
+                                   "caller waits cannot hold the server, and every caller behind it, for longer.")
 
 
 class RewardConfig(ServerConfig):

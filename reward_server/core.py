@@ -76,11 +76,11 @@ ScoreOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 class RewardCore:
     def __init__(self, cfg: RewardConfig, observe_pass: PassObserver = no_observer,
-                 on_truncated: Callable[[int], None] = lambda n: None, on_verify_timeout: Callable[[], None] = lambda: None,
+                 on_truncated: Callable[[int], None] = lambda n: None, on_verify_timeout: Callable[[int], None] = lambda n: None,
                  abandoned: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self.abandoned = abandoned  # every caller of the running batch gone: math_verify stops sending its samples
-        self.on_verify_timeout = on_verify_timeout  # a math_verify sample past math_verify.timeout_s
+        self.on_verify_timeout = on_verify_timeout  # math_verify samples past math_verify.timeout_s or batch_timeout_s
         self.observe_pass = observe_pass  # each forward pass's padded tokens, for /metrics
         self.on_truncated = on_truncated  # how many texts a request had cut to the max length (long_texts=truncate)
         self.device = resolve_device(cfg.device)
@@ -135,8 +135,10 @@ class RewardCore:
             self.max_length = int(min(limit, NO_LENGTH_LIMIT))
         if "math_verify" in self.component_scorers:
             workers = min(cfg.math_verify.workers or cfg.num_threads or usable_cores(), 64)
-            self.verifier = MathVerifyPool(workers, cfg.math_verify.timeout_s, on_timeout=self.on_verify_timeout)
-            log.info("math_verify: %d worker process(es), %.1f s a sample at most", workers, cfg.math_verify.timeout_s)
+            self.verifier = MathVerifyPool(workers, cfg.math_verify.timeout_s, on_timeout=self.on_verify_timeout,
+                                           batch_timeout_s=cfg.math_verify.batch_timeout_s)
+            log.info("math_verify: %d worker process(es), %.1f s a sample and %.0f s a batch at most", workers,
+                     cfg.math_verify.timeout_s, cfg.math_verify.batch_timeout_s)
         self.vocab_sha256 = vocab_sha256(self.tokenizer)
         self.end_marks = special_marks((*self.tokenizer.all_special_tokens, *COMMON_END_MARKS))
         # no token spells more characters than the longest in the vocabulary (normalizers aside, hence the factor 4):
@@ -288,7 +290,9 @@ class RewardCore:
             if messages[-1]["role"] != "assistant":
                 raise InvalidArgument(f"conversations[{i}].messages[{len(messages) - 1}].role: the last message is "
                                       f"the response, so its role must be 'assistant', got {messages[-1]['role']!r}")
-        inp = ScoreInput(rows=len(conversations), responses=[messages[-1]["content"] for messages in conversations])
+        # the rule scorers read the response without the end-of-text mark it may end with, as they read texts
+        inp = ScoreInput(rows=len(conversations),
+                         responses=[without_end_marks(messages[-1]["content"], self.end_marks) for messages in conversations])
         if self.model is not None:
             if self.tokenizer.chat_template is None:
                 raise InvalidArgument("conversations: the reward model's tokenizer has no chat template (GetInfo's "

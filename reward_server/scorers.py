@@ -36,9 +36,8 @@ def math_answer(response: str, label: str | None) -> float:
     cleaned of notation that does not change the answer (`clean_answer`); numbers compare by value, a number
     followed by words ("18 dollars") as the number, anything else as text without spaces)."""
     assert label is not None
-    minus = str.maketrans("\u2212", "-")  # a Unicode minus sign is a minus
-    got = final_answer(response.translate(minus), last_number=True)
-    want = final_answer(label.translate(minus), last_number=False)
+    got = final_answer(response.translate(_PLAIN), last_number=True)
+    want = final_answer(label.translate(_PLAIN), last_number=False)
     if got is None or want is None:
         return 0.0
     got, want = clean_answer(got), clean_answer(want)
@@ -48,28 +47,39 @@ def math_answer(response: str, label: str | None) -> float:
     return float(_squeeze(got) == _squeeze(want))
 
 
+# a Unicode minus sign is a minus; zero-width characters, a byte-order mark and soft hyphens are nothing
+_PLAIN = str.maketrans({"\u2212": "-", **dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u200e\u200f\u2060\ufeff"))})
 _WRAPPER = re.compile(r"\\(?:text|textbf|mathbf|mathrm|textrm|mbox|operatorname)\s*\{([^{}]*)\}")
-_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
+# possessive: with `\s*\{?\s*` a `^` before a long run of blanks and no \circ was tried at every split of the run
+# (quadratic: a 60 KB response held the server, GIL and all, for 2.7 s)
+_DEGREES = re.compile(r"\^\s*+\{?\s*+\\circ\s*+\}?|°")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\s*=\s*(?=\S)")  # x = 7
-_BARE_FRAC = re.compile(r"\\([dt]?frac)(\d)(\d)")  # \frac12
+_BARE_FRAC = re.compile(r"\\([dt]?frac)\s*+(\d)\s*+(\d)")  # \frac12, \frac 12
+_HALF_BARE_FRAC = re.compile(r"\\([dt]?frac)\s*+(?:\{([^{}]*+)\}\s*+(\d)|(\d)\s*+\{)")  # \frac{1}2, \frac1{2}
+_TEX_SPACE = re.compile(r"\\(?:[,;:> ]|q?quad)|~")  # \, \; \: \> \  \quad \qquad ~
+_SUBSCRIPT = re.compile(r"_\{(\w+)\}")  # 1011_{2} (a base) as 1011_2
 # 18 dollars (not 2 x); two letters, then letters and spaces: `[A-Za-z]{2,}[A-Za-z ]*` matched the same texts with
 # two ways to split every run of letters, which a failed fullmatch tried all of (a 40,000-letter label, 11 s)
-_WITH_UNIT = re.compile(r"(-?\$?[\d.,/]+%?)\s+[A-Za-z]{2}[A-Za-z ]*\.?")
+_WITH_UNIT = re.compile(r"(-?\$?[\d.,/]+%?)\s+[A-Za-z]{2}[A-Za-z ]*(?:\^\{?\d\}?)?\.?")  # 10 cm, 10 cm^2
 _MAX_WRAPPER_DEPTH = 16  # each level is a pass over the answer: unbounded, a label of nested \text{ took 16 s
 
 
 def clean_answer(text: str) -> str:
     """An answer without notation that leaves it the same answer: TeX's {,} thousands separator,
-    \\$, \\left/\\right, degrees (^\\circ, °), \\text{...}-style wrappers (their content kept; up to 16 nested), markdown bold, and
-    a leading single-variable assignment (x = 7 -> 7); \\frac12 becomes \\frac{1}{2}."""
+    \\$, \\left/\\right, degrees (^\\circ, °), TeX spacing (\\, \\; \\  ~ \\quad: a blank), \\text{...}-style wrappers (their
+    content kept, after a blank; up to 16 nested), markdown bold, and a leading single-variable assignment (x = 7 -> 7);
+    \\frac12, \\frac 12, \\frac{1}2 and \\frac1{2} become \\frac{1}{2}, and a subscript in braces (1011_{2}) loses them."""
     t = text.replace("{,}", ",").replace("\\$", "$")
     t = t.replace("\\left", "").replace("\\right", "")
     t = _DEGREES.sub("", t)
-    for _ in range(_MAX_WRAPPER_DEPTH):
-        if (unwrapped := _WRAPPER.sub(r"\1", t)) == t:
+    t = _TEX_SPACE.sub(" ", t)
+    for _ in range(_MAX_WRAPPER_DEPTH):  # a blank before the content: 10\text{cm} is 10 cm
+        if (unwrapped := _WRAPPER.sub(r" \1", t)) == t:
             break
         t = unwrapped
     t = _ASSIGNMENT.sub("", t.strip().strip("*").strip())
+    t = _SUBSCRIPT.sub(r"_\1", t)
+    t = _HALF_BARE_FRAC.sub(lambda m: f"\\{m[1]}{{{m[2]}}}{{{m[3]}}}" if m[2] is not None else f"\\{m[1]}{{{m[4]}}}{{", t)
     return _BARE_FRAC.sub(r"\\\1{\2}{\3}", t).strip()
 
 
@@ -110,9 +120,17 @@ def as_number(text: str) -> Fraction | None:
     scorer for seconds; such an answer compares as text)."""
     t = text.strip().strip("$").replace("\\!", "").replace("\\,", "").replace(" ", "")
     t = t.removesuffix("\\%").removesuffix("%").rstrip(".")
+    if t.startswith("-$"):  # -\$5
+        t = "-" + t[2:]
+    if "_" in t:  # 1011_2 is a base, not Fraction's digit separator (1_2 read as 12)
+        return None
     frac = _FRAC.match(t)
     if frac:
-        t = f"{frac.group(1)}{frac.group(2)}/{frac.group(3)}"
+        sign, numerator, denominator = frac.groups()
+        try:
+            return (-1 if sign else 1) * Fraction(numerator) / Fraction(denominator)
+        except (ValueError, ZeroDivisionError):
+            return None
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", t):
         t = t.replace(",", "")
     if (exponent := _EXPONENT.search(t)) and len(exponent.group(1).lstrip("0_")) > 3:
@@ -169,18 +187,21 @@ SCORERS: dict[str, RuleScorer] = {
         math_answer,
         "1.0 when the response's final answer (its last \\boxed{...}, else what follows its last ####, else its last "
         "number) equals the label's (its \\boxed{...} or #### answer, else the whole label), numbers compared by "
-        "value (1,000 = 1{,}000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2} = \\frac12 = 5e-1, $, %, degrees, a unit after "
-        "the number and x = dropped, \\text{...} and markdown bold unwrapped; an exponent past 3 digits compares as "
-        "text), else 0.0; requests must carry labels",
+        "value (1,000 = 1{,}000 = 1000.0, 0.5 = 1/2 = \\frac{1}{2} = \\frac12 = \\frac 12 = 5e-1, $, %, degrees, "
+        "a unit after the number (10 cm, 10\\,\\text{cm}, 10 cm^2) and x = dropped, \\text{...} and markdown bold "
+        "unwrapped, zero-width characters ignored; an exponent past 3 digits, and a number with a subscript (a base: "
+        "1011_2 = 1011_{2}), compare as text), else 0.0; requests must carry labels",
         needs_labels=True,
     ),
     "math_verify": RuleScorer(
         None,
         "Hugging Face's math-verify as NeMo-RL's math environment calls it: 1.0 when the response's answer (a "
-        "plain expression or LaTeX, its last \\boxed{...} first) is mathematically equal to the label's (its "
-        "\\boxed{...} or #### answer, else the whole label), symbolically (\\sqrt{8} = 2\\sqrt{2}, (x+1)^2 = "
-        "x^2+2x+1, sets, intervals), else 0.0; in worker processes with a time limit (math_verify); requests must "
-        "carry labels",
+        "plain expression or LaTeX, its \\boxed{...} first; several boxed answers are read together as one set, "
+        "as math-verify reads them, so \\boxed{3} then \\boxed{4} matches neither 3 nor 4) is mathematically equal "
+        "to the label's (its \\boxed{...} or #### answer, else the whole label), symbolically (\\sqrt{8} = "
+        "2\\sqrt{2}, (x+1)^2 = x^2+2x+1, sets, intervals), else 0.0; a response's last 16,384 characters are read "
+        "(from its last \\boxed{ where that lies before them); in worker processes with a time limit (math_verify); "
+        "requests must carry labels",
         needs_labels=True,
     ),
 }

@@ -63,7 +63,8 @@ class RewardService(Service):
         truncated = Counter(f"{self.metrics.prefix}_truncated_texts", "Texts cut to the model's max length "
                             "(long_texts=truncate)", registry=self.metrics.registry)
         timeouts = Counter(f"{self.metrics.prefix}_math_verify_timeouts", "Samples scored 0.0 by math_verify because "
-                           "their worker passed math_verify.timeout_s (and was replaced)", registry=self.metrics.registry)
+                           "their worker passed math_verify.timeout_s (and was replaced), or their batch passed "
+                           "math_verify.batch_timeout_s before they were sent", registry=self.metrics.registry)
         self.core = RewardCore(cfg, self.metrics.observe_pass, truncated.inc, timeouts.inc,
                                abandoned=lambda: self.worker is not None and self.worker.batch_abandoned())
         # one thread: the fast tokenizer is not safe to call from two at once, and it lets the event loop go while

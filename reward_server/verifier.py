@@ -42,9 +42,13 @@ def gold_text(label: str) -> str:
 
 
 def response_text(response: str) -> str:
-    """The part of a response that is parsed: its last RESPONSE_TAIL_CHARS characters, a Unicode minus read as '-',
-    and \\fbox as \\boxed (which math-verify does not read)."""
-    return response[-RESPONSE_TAIL_CHARS:].translate(_MINUS).replace("\\fbox{", "\\boxed{")
+    """The part of a response that is parsed: its last RESPONSE_TAIL_CHARS characters, or as many from its last
+    \\boxed{ (or \\fbox{) where that lies before them (a boxed answer followed by a long check), a Unicode minus read as
+    '-', and \\fbox as \\boxed (which math-verify does not read)."""
+    start = max(0, len(response) - RESPONSE_TAIL_CHARS)
+    if start and (boxed := max(response.rfind("\\boxed{"), response.rfind("\\fbox{"))) != -1:
+        start = min(start, boxed)
+    return response[start:start + RESPONSE_TAIL_CHARS].translate(_MINUS).replace("\\fbox{", "\\boxed{")
 
 
 class _Worker:
@@ -93,9 +97,10 @@ class MathVerifyPool:
     """`workers` processes scoring (response, label) pairs; `score` spreads a batch over them and waits. Called from
     one thread at a time (the server's model thread)."""
 
-    def __init__(self, workers: int, timeout_s: float, on_timeout: Callable[[], None] = lambda: None):
-        self.timeout_s, self.on_timeout = timeout_s, on_timeout
-        self.timeouts = 0  # samples scored 0.0 because their worker did not answer in time
+    def __init__(self, workers: int, timeout_s: float, on_timeout: Callable[[int], None] = lambda n: None,
+                 batch_timeout_s: float = float("inf")):
+        self.timeout_s, self.on_timeout, self.batch_timeout_s = timeout_s, on_timeout, batch_timeout_s
+        self.timeouts = 0  # samples scored 0.0 because their worker did not answer in time, or their batch ran out
         self._said = Throttle(60.0)  # a timeout's warning at most once a minute: the count says the rest
         # started side by side (each imports sympy), at load, so a missing math-verify stops the server before ready
         self._slots: list[_Worker | None] = [_Worker() for _ in range(workers)]
@@ -120,18 +125,27 @@ class MathVerifyPool:
     def score(self, responses: list[str], labels: list[str],
               abandoned: Callable[[], bool] = lambda: False) -> list[float]:
         """1.0 or 0.0 for each response against its label. Once `abandoned()` (every caller gone), no further sample
-        is sent: the rest score 0.0, for nobody."""
+        is sent: the rest score 0.0, for nobody. Past `batch_timeout_s` no further sample is sent either: the rest
+        score 0.0, counted as timeouts (those being scored then still get their own time)."""
         scores = [0.0] * len(responses)
         todo = deque(enumerate(zip(responses, labels, strict=True)))
         idle = list(range(len(self._slots)))
         busy: dict[object, tuple[int, int, tuple[str, str], float]] = {}  # stdout -> (slot, sample, pair, deadline)
         lost: set[int] = set()  # samples whose worker died under them once: a second death scores them 0.0
         sel = selectors.DefaultSelector()
+        batch_deadline = time.monotonic() + self.batch_timeout_s
         try:
             while todo or busy:
                 if todo and abandoned():
                     log.info("math_verify: the callers of this batch are gone; %d of its samples are not scored",
                              len(todo))
+                    todo.clear()
+                if todo and time.monotonic() >= batch_deadline:
+                    self.timeouts += len(todo)
+                    self.on_timeout(len(todo))
+                    log.warning("math_verify: a batch of %d samples took longer than %.0f s "
+                                "(math_verify.batch_timeout_s): its %d samples not yet sent score 0.0 (%d so far)",
+                                len(responses), self.batch_timeout_s, len(todo), self.timeouts)
                     todo.clear()
                 while todo and idle:
                     slot = idle.pop()
@@ -145,7 +159,8 @@ class MathVerifyPool:
                     sel.register(worker.proc.stdout, selectors.EVENT_READ)
                 if not busy:
                     continue
-                wait = max(0.0, min(deadline for *_, deadline in busy.values()) - time.monotonic())
+                wait = max(0.0, min(min(deadline for *_, deadline in busy.values()),
+                                    batch_deadline if todo else float("inf")) - time.monotonic())
                 for key, _ in sel.select(wait):
                     slot, i, pair, _ = busy.pop(key.fileobj)
                     sel.unregister(key.fileobj)
@@ -167,7 +182,7 @@ class MathVerifyPool:
                         self._retire(slot)
                         idle.append(slot)
                         self.timeouts += 1
-                        self.on_timeout()
+                        self.on_timeout(1)
                         if self._said.admit("timeout") is not None:
                             log.warning("math_verify did not score a sample within %.1f s (math_verify.timeout_s): "
                                         "it scores 0.0 and its worker process is replaced (%d so far; this warning "

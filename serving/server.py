@@ -25,11 +25,13 @@ from typing import Any
 import grpc
 import transformers
 from fastapi import FastAPI
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .batching import ModelWorker
 from .codec import retain_freed_memory
@@ -276,6 +278,19 @@ class Service:
             self.metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
             detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
             return JSONResponse({"detail": detail}, status_code=422)
+
+        @self.app.exception_handler(StarletteHTTPException)
+        async def count_unparsable_body(request, exc):
+            """A body FastAPI could not parse but is no JSON syntax error (not UTF-8, an integer past Python's
+            4,300 digits, nesting past the recursion limit) is raised as a 400 "There was an error parsing the body"
+            from the parser's exception: counted as an INVALID_ARGUMENT request of its route, and its reason
+            named. Any other HTTP error (404 for an unknown path, 405) is answered as FastAPI answers it."""
+            if exc.status_code != 400 or exc.__cause__ is None:
+                return await http_exception_handler(request, exc)
+            self.metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
+            cause = exc.__cause__
+            reason = "nested too deeply" if isinstance(cause, RecursionError) else f"{type(cause).__name__}: {cause}"
+            return JSONResponse({"detail": f"body: cannot be parsed as JSON ({reason[:300]})"}, status_code=400)
 
     # --- to implement -------------------------------------------------------------------------
     def load(self) -> None:

@@ -439,10 +439,31 @@ def test_get_reward_rejects_bad_bodies(server, body, status, field):
         assert response.json()["detail"].startswith(field)
 
 
+@pytest.mark.parametrize("raw, reason", [
+    (b'{"query": ["good \xff"]}', "UnicodeDecodeError"),  # not UTF-8
+    (b'{"query": ["good"], "labels": [' + b"9" * 5000 + b']}', "ValueError"),  # past Python's 4,300 digits
+    (b'{"query": ["good"], "labels": [' + b"[" * 5000 + b"]" * 5000 + b']}', "nested too deeply"),
+], ids=["invalid-utf8", "5000-digit-label", "nested-5000-deep"])
+def test_get_reward_refuses_a_body_it_cannot_parse_naming_why_and_counts_it(server, raw, reason):
+    """FastAPI answers these "There was an error parsing the body" without the reason, and they went uncounted."""
+    before = request_count(server, "get_reward", "INVALID_ARGUMENT")
+    response = httpx.post(f"{server.http}/get_reward", content=raw, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["detail"].startswith("body: cannot be parsed as JSON") and reason in response.text
+    assert request_count(server, "get_reward", "INVALID_ARGUMENT") == before + 1
+    assert httpx.post(f"{server.http}/no_such_route", content=raw, timeout=30).status_code == 404
+
+
 def test_get_reward_rejects_non_json(server):
+    before = request_count(server, "get_reward", "INVALID_ARGUMENT")
     response = httpx.post(f"{server.http}/get_reward", content=b"\x00not json", timeout=30,
                           headers={"content-type": "application/json"})
-    assert 400 <= response.status_code < 500
+    assert response.status_code == 400 and response.json()["detail"].startswith("body: cannot be parsed as JSON")
+    response = httpx.post(f"{server.http}/get_reward", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["detail"][0]["type"] == "json_invalid"
+    assert request_count(server, "get_reward", "INVALID_ARGUMENT") == before + 2
 
 
 def test_random_bytes_get_an_error_and_leave_the_server_serving(server, stub, tokenizer):
@@ -500,6 +521,18 @@ def test_a_scorer_that_compares_with_labels_says_so_in_get_info(exact_server):
     info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30)
     channel.close()
     assert info.model == "rule:exact_match" and info.needs_labels
+
+
+def test_a_response_ending_with_its_end_of_text_mark_scores_alike_as_a_text_and_as_a_conversation(exact_server):
+    """The rule scorers read a response without the end-of-text mark it ends with (a text decoded with its special
+    tokens kept); an assistant message ending with one was scored with it, so the same answer scored 0."""
+    channel, stub = open_stub(exact_server)
+    responses = ["42</s>", "42<|im_end|>", "42 <|eot_id|>", "42"]
+    by_texts = stub.Score(reward_pb2.ScoreRequest(texts=responses, labels=["42"] * 4), timeout=60)
+    by_chats = stub.Score(reward_pb2.ScoreRequest(conversations=[chat("x =>", r) for r in responses],
+                                                  labels=["42"] * 4), timeout=60)
+    channel.close()
+    assert decode(by_texts.rewards, "r").tolist() == decode(by_chats.rewards, "r").tolist() == [1.0] * 4
 
 
 def test_rule_scorer_scores_hand_written_responses(rule_server, rule_stub, tokenizer):
@@ -854,12 +887,31 @@ MATH_CASES = [  # (response, label, reward): the response's final answer against
     ("it is 1e6", "1000000", 1.0), ("\\boxed{0.5}", "\\boxed{\\frac12}", 1.0), ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
     # an algebraic answer is not a number with a unit
     ("\\boxed{2 x}", "2", 0.0), ("\\boxed{2 x}", "2x", 1.0),
+    # a unit after TeX spacing or in \text without a blank, squared units
+    ("\\boxed{10\\,\\text{cm}}", "10", 1.0), ("\\boxed{10\\ \\text{inches}}", "10", 1.0), ("\\boxed{10~\\text{cm}}", "10", 1.0),
+    ("\\boxed{10\\text{cm}}", "10", 1.0), ("\\boxed{10\\,\\mathrm{cm}^2}", "10", 1.0), ("\\boxed{10\\;\\text{cm}}", "11", 0.0),
+    # a base is not Fraction's digit separator: 1_2 is not 12
+    ("\\boxed{1011_{2}}", "1011_2", 1.0), ("\\boxed{1_2}", "12", 0.0), ("\\boxed{10_2}", "102", 0.0),
+    # invisible characters are nothing
+    ("\\boxed{4\u200b2}", "42", 1.0), ("\\boxed{\ufeff42}", "42", 1.0), ("\\boxed{12\u200f}", "12", 1.0),
+    # fractions TeX accepts without braces, a negative denominator, a minus before an escaped dollar
+    ("\\boxed{\\frac 12}", "0.5", 1.0), ("\\boxed{\\frac{1}2}", "0.5", 1.0), ("\\boxed{\\frac1{2}}", "0.5", 1.0),
+    ("\\boxed{\\frac{1}{-2}}", "-0.5", 1.0), ("\\boxed{-\\$5}", "-5", 1.0), ("\\boxed{\\frac{1}{-2}}", "0.5", 0.0),
 ]
 
 
 @pytest.mark.parametrize("response, label, reward", MATH_CASES)
 def test_math_answer_compares_final_answers(response, label, reward):
     assert math_answer(response, label) == reward
+
+
+def test_a_caret_before_a_long_run_of_blanks_is_scored_in_linear_time():
+    """The degree sign's pattern tried a `^` before blanks at every split of the run: a 100 KB response or label took
+    7 s (200 KB 30 s), holding the whole server, /health included (a regular expression keeps the GIL)."""
+    for response, label in (("\\boxed{^" + " " * 100_000 + "x}", "1"), ("\\boxed{1}", "^" + " " * 100_000 + "1")):
+        started = time.perf_counter()
+        assert math_answer(response, label) == 0.0
+        assert time.perf_counter() - started < 2.0
 
 
 def test_numbers_in_e_notation_compare_by_value_and_a_huge_exponent_is_text():
@@ -890,6 +942,11 @@ def test_a_math_answer_server_scores_gsm8k_style_answers_over_openrlhf_s_protoco
     assert out["rewards"] == [reward for _, _, reward in cases]
 
 
+def _metric(text: str, name: str) -> float:
+    """The value of an unlabelled series in a /metrics text."""
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_sample(embedded_cache, log_dir):
     """math-verify (NeMo-RL's math verifier) in worker processes: equal answers in other forms score 1.0 where
     math_answer compares text; a sample no signal can stop within its own limits (a timeout of 0.5 s here) has its
@@ -899,7 +956,11 @@ def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_
              (" \\boxed{(x+1)^2}", "x^2+2x+1", 1.0), (" \\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
              (" \\boxed{[0, 1)}", "[0,1)", 1.0), (" \\boxed{[0, 1]}", "[0,1)", 0.0),
              (" 48 + 24 = 72. The answer is 72.", "Natalia sold 48/2 = 24 clips in May. #### 72", 1.0),
-             (" The answer is 71.", "#### 72", 0.0), (" \\fbox{12}", "12", 1.0), (" \u221242", "-42", 1.0)]
+             (" The answer is 71.", "#### 72", 0.0), (" \\fbox{12}", "12", 1.0), (" \u221242", "-42", 1.0),
+             # a boxed answer before a check longer than the tail read (it used to be cut off), and two boxed answers,
+             # which math-verify reads as one set, as for NeMo-RL
+             (" So the answer is \\boxed{42}." + " Let me check this once more." * 600, "42", 1.0),
+             (" \\boxed{3}, no, wait: \\boxed{4}", "4", 0.0)]
     with ServiceProcess("reward", "--scorer", "math_verify", "math_verify.workers=2", log_dir=log_dir,
                         env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
         out = openrlhf_rewards(f"{server.http}/get_reward", [prompt + r for r, _, _ in cases], [prompt] * len(cases),
@@ -913,7 +974,8 @@ def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_
                                                        prompts=[prompt] * 2, labels=[c[1] for c in cases[:2]]))
             assert decode(reply.rewards, "r").tolist() == [1.0, 1.0]
     with ServiceProcess("reward", "--scorer", "math_verify", "math_verify.workers=1", "math_verify.timeout_s=0.5",
-                        log_dir=log_dir, env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
+                        "math_verify.batch_timeout_s=3", log_dir=log_dir,
+                        env={"PPO_SERVICES_CACHE": str(embedded_cache)}) as server:
         started = time.monotonic()
         out = openrlhf_rewards(f"{server.http}/get_reward", ["\\boxed{10^{10^{10}}}", "The answer is 72."], [],
                                ["1", "#### 72"])
@@ -955,6 +1017,15 @@ def test_a_math_verify_server_scores_equal_answers_symbolically_and_bounds_each_
         assert out["rewards"] == [1.0] and time.monotonic() - started < 5
         assert 'ppo_reward_requests_total{code="CANCELLED",method="get_reward"} 1.0' in \
             httpx.get(f"{server.http}/metrics", timeout=10).text
+        # a caller that waits for many slow samples holds the server no longer than math_verify.batch_timeout_s
+        # (and the sample then being scored): the samples not sent by then score 0.0, counted as timeouts
+        timeouts = _metric(httpx.get(f"{server.http}/metrics", timeout=10).text, "ppo_reward_math_verify_timeouts_total")
+        started = time.monotonic()
+        out = openrlhf_rewards(f"{server.http}/get_reward", ["\\boxed{(10^{10})!}"] * 40, [], ["1"] * 40)
+        assert out["rewards"] == [0.0] * 40 and time.monotonic() - started < 20
+        assert "(math_verify.batch_timeout_s): its" in server.log()
+        assert _metric(httpx.get(f"{server.http}/metrics", timeout=10).text,
+                       "ppo_reward_math_verify_timeouts_total") - timeouts >= 30
 
 
 def test_a_query_that_does_not_start_with_its_prompt_is_scored_whole(rule_server, rule_stub):
