@@ -250,7 +250,7 @@ class KLControllerConfig(StrictModel):
     use_absolute_kl: bool = Field(True, description="Penalise |KL| per token (NeMo-Aligner's default).")
     type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed keeps beta; adaptive moves it towards `target` (trlx/OpenRLHF).")
     target: float = Field(6.0, gt=0, description="adaptive: target KL per sample (sum over its tokens).")
-    horizon: int = Field(10000, ge=1, description="adaptive: samples over which beta may change by about 20%.")
+    horizon: int = Field(10000, ge=1, description="adaptive: samples over which beta may change by about 20%; must be above the samples per step / 5, or beta could turn negative.")
 
 
 class AsyncGRPOConfig(StrictModel):
@@ -528,6 +528,13 @@ class ActorConfig(StrictModel):
         if p.batch_multiplier != 1 and not p.use_dynamic_sampling:
             raise ValueError(f"ppo.batch_multiplier ({p.batch_multiplier}) over-samples prompts for dynamic sampling: "
                              f"it needs ppo.use_dynamic_sampling=true (as in NeMo-RL), or set it to 1")
+        if kl.type == "adaptive" and 5 * kl.horizon <= self.rollout_samples:
+            raise ValueError(f"ppo.kl_controller.horizon={kl.horizon} is too short for the {self.rollout_samples}"
+                             " samples per step (ppo.num_prompts_per_step x ppo.num_generations_per_prompt): the"
+                             " adaptive controller multiplies beta by 1 + err * samples / horizon with err down to"
+                             " -0.2, which turns beta negative unless horizon > samples / 5; set"
+                             f" ppo.kl_controller.horizon above {self.rollout_samples / 5:g} (it counts samples,"
+                             " not steps; trlx and OpenRLHF use 10000)")
         if est.name in ("grpo", "gdpo") and kl.init_kl_coef > 0:
             raise ValueError(f"{name} takes the KL in the loss: set ppo.kl_controller.init_kl_coef=0 and "
                              "loss_fn.reference_policy_kl_penalty instead")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from algorithms.masked import masked_mean, masked_var, widened
+from algorithms.masked import accumulated, masked_mean, masked_var, widened
 
 _NORMALIZE_VAR_FLOOR = 1e-8  # raw_reward / reinforce++ normalization: rsqrt(clamp(var, 1e-8))
 
@@ -54,7 +54,9 @@ def compute_gae(
 
     ``R = A + V``. Positions with ``m == 0`` are 0 in both outputs. Returns are never whitened; whiten the
     advantages separately (:func:`algorithms.masked.masked_whiten`) over the global batch.
-    ``V[t]`` is the value of the prefix before token t. Inputs should be detached.
+    ``V[t]`` is the value of the prefix before token t. Inputs should be detached. The recursion runs in at
+    least float32 (:func:`algorithms.masked.accumulated`): in bf16 each -0.001 KL reward of a long row rounded
+    away against a return of 1.
 
     Args:
         rewards: float [B, T], per-token rewards (see :func:`token_level_rewards`).
@@ -70,6 +72,8 @@ def compute_gae(
     Raises:
         ValueError: if ``lam`` is a tensor that is neither 0-dim nor [B].
     """
+    out_dtype = values.dtype
+    values = accumulated(values)
     dtype = values.dtype
     valid = mask.bool()
     rewards = rewards.to(dtype)
@@ -96,7 +100,7 @@ def compute_gae(
     zero = torch.zeros((), dtype=dtype, device=values.device)
     returns = torch.where(valid, advantages + values, zero)
     advantages = torch.where(valid, advantages, zero)
-    return advantages, returns
+    return advantages.to(out_dtype), returns.to(out_dtype)
 
 
 def gae_lambda_per_sample(

@@ -49,9 +49,10 @@ def _group_stats(
 
     Sample i's reference set is the valid members of its group, minus i itself under leave-one-out.
     Everything is computed from differences of rewards so that equal rewards give exactly 0:
-    leave-one-out uses ``A_i = mean_j (r_i - r_j)`` and ``r_j - b_i = (r_j - r_i) + A_i``; the mean baseline
-    shifts the group by its first valid member, so all members share one std. Groups with at most one valid
-    sample give ``A = 0``, ``b = r``, ``std = 0``; a reference set of one gives ``std = 0``.
+    leave-one-out uses ``A_i = mean_j (r_i - r_j)`` and the std of the others shifted by the first of them (in
+    float64, never relative to ``r_i``, whose outlier would swamp their spread); the mean baseline shifts the
+    group by its first valid member, so all members share one std. Groups with at most one valid sample give
+    ``A = 0``, ``b = r``, ``std = 0``; a reference set of one gives ``std = 0``.
     """
     if scores.dim() != 1 or group_ids.shape != scores.shape:
         raise ValueError(f"scores and group_ids must both be [B], got {tuple(scores.shape)}, "
@@ -74,8 +75,15 @@ def _group_stats(
         n_ref = others.sum(dim=-1).to(scores.dtype)
         diff = safe.unsqueeze(-1) - dense[row]  # r_i - r_j
         advantage = torch.where(others, diff, zero).sum(dim=-1) / n_ref.clamp(min=1)
-        deviation = torch.where(others, advantage.unsqueeze(-1) - diff, zero)  # r_j - b_i
-        var = widened(deviation).square().sum(dim=-1) / (n_ref - 1).clamp(min=1)  # float64: no overflow
+        # the std of the others from their own values, shifted by the first of them, in float64: deviations
+        # taken relative to r_i cancel catastrophically when r_i is an outlier (1e30 beside rewards of ~1)
+        wide = widened(dense)[row]  # [B, N]
+        pivot = wide.gather(-1, others.to(torch.int8).argmax(dim=-1, keepdim=True))  # [B, 1]
+        wide_zero, wide_n = torch.zeros((), dtype=wide.dtype, device=wide.device), n_ref.to(wide.dtype)
+        shifted = torch.where(others, wide - pivot, wide_zero)
+        mean_shift = shifted.sum(dim=-1, keepdim=True) / wide_n.clamp(min=1).unsqueeze(-1)
+        deviation = torch.where(others, shifted - mean_shift, wide_zero)  # r_j - b_i
+        var = deviation.square().sum(dim=-1) / (wide_n - 1).clamp(min=1)
         std = torch.where(n_ref > 1, var.sqrt().to(scores.dtype), zero)
     else:
         # first valid member of each group (argmax returns the first maximum); any member would do
@@ -189,7 +197,7 @@ def gdpo_advantages(
 
     ``A = sum_k w_k A_k`` with ``A_k`` the sequence-level GRPO advantage of component k (same options as
     :func:`grpo_advantages`, epsilon 1e-6); then ``(A - mean) / std`` with the mean and unbiased std over the
-    valid samples (only ``A - mean`` when std < 1e-6). Invalid samples get 0.
+    valid samples, computed in float64 (only ``A - mean`` when std < 1e-6). Invalid samples get 0.
 
     Args:
         components: float [K, B], K >= 2 reward components (``reward/<name>``).
@@ -216,15 +224,16 @@ def gdpo_advantages(
             component, group_ids, leave_one_out, normalize, valid, _STD_TOLERANCE
         )
     keep = torch.ones_like(combined, dtype=torch.bool) if valid is None else valid.bool()
-    zero = torch.zeros((), dtype=combined.dtype, device=combined.device)
-    n = keep.sum().to(combined.dtype)
-    mean = torch.where(keep, combined, zero).sum() / n.clamp(min=1)
-    centered = torch.where(keep, combined - mean, zero)
+    wide = widened(combined)  # float64: the float32 square of a combined advantage of 1e20 is inf
+    zero = torch.zeros((), dtype=wide.dtype, device=wide.device)
+    n = keep.sum().to(wide.dtype)
+    mean = torch.where(keep, wide, zero).sum() / n.clamp(min=1)
+    centered = torch.where(keep, wide - mean, zero)
     std = (centered.square().sum() / (n - 1).clamp(min=1)).sqrt()
     # one valid sample has no spread; a ~0 std is only centered, never divided by
     spread = (n > 1) & (std >= _STD_TOLERANCE)
     normalized = torch.where(spread, centered / std.clamp(min=_STD_TOLERANCE), centered)
-    return _broadcast(normalized, mask)
+    return _broadcast(normalized.to(combined.dtype), mask)
 
 
 def reinforce_plus_plus_advantages(

@@ -47,9 +47,9 @@ def truncated_importance_weights(
     Returns:
         ``(weights, metrics)``: detached float [B, T] weights in the promoted input dtype, 0 outside the mask;
         detached 0-dim metrics over the input's valid tokens: ``is_weight_mean``, ``is_weight_min``,
-        ``is_weight_max`` (of the untruncated ``w``), ``is_clipfrac`` (fraction of tokens whose weight was
-        clamped, zeroed or dropped) and ``is_dropped_sequences`` (number of dropped rows; 0 for ``tis`` and
-        ``icepop``).
+        ``is_weight_max`` (of the untruncated ``w`` over the tokens where it is finite; 0 where none is),
+        ``is_clipfrac`` (fraction of tokens whose weight was clamped, zeroed, dropped, or zeroed for not being
+        finite) and ``is_dropped_sequences`` (number of dropped rows; 0 for ``tis`` and ``icepop``).
 
     Raises:
         ValueError: for an unknown ``kind`` or bounds with ``not 0 <= low <= high``.
@@ -79,11 +79,15 @@ def truncated_importance_weights(
             truncated = valid & dropped.unsqueeze(-1)
             weights = torch.where(truncated, zero, raw)
         # a weight that is no finite number (overflowed, or from log-probs that are not) trains nothing, as in
-        # NeMo-RL's loss, instead of making the step's loss NaN or infinite
-        weights = torch.where(valid & torch.isfinite(weights), weights, zero)
-        weight_min, weight_max = masked_min_max(raw, valid)
+        # NeMo-RL's loss, instead of making the step's loss NaN or infinite; it counts as zeroed
+        finite_weight = torch.isfinite(weights)
+        weights = torch.where(valid & finite_weight, weights, zero)
+        truncated = truncated | (valid & ~finite_weight)
+        # statistics of the finite weights only: one NaN would make all three NaN (null in metrics.jsonl)
+        finite = valid & torch.isfinite(raw)
+        weight_min, weight_max = masked_min_max(raw, finite)
         metrics = {
-            "is_weight_mean": masked_mean(raw, valid),
+            "is_weight_mean": masked_mean(raw, finite),
             "is_weight_min": weight_min,
             "is_weight_max": weight_max,
             "is_clipfrac": masked_mean(truncated.to(dtype), valid),

@@ -63,7 +63,9 @@ def adaptive_kl_coef(coef: float, observed_kl: float, target: float, horizon: in
     """One update of the adaptive KL controller (trlx / OpenRLHF ``AdaptiveKLController``).
 
     ``err = clip(observed_kl / target - 1, -0.2, 0.2)``; returns ``coef * (1 + err * n_steps / horizon)``:
-    beta grows when the KL is above target and shrinks when it is below.
+    beta grows when the KL is above target and shrinks when it is below. The multiplier stays positive only
+    while ``horizon > n_steps / 5``; a multiplier <= 0 is refused rather than turning the penalty into a
+    reward (a negative beta, which the trainer would never adapt again).
 
     Args:
         coef: current KL coefficient beta.
@@ -73,12 +75,17 @@ def adaptive_kl_coef(coef: float, observed_kl: float, target: float, horizon: in
         n_steps: number of samples (or steps) since the last update.
 
     Returns:
-        The new coefficient.
+        The new coefficient, of ``coef``'s sign.
 
     Raises:
-        ValueError: if ``target`` or ``horizon`` is not positive.
+        ValueError: if ``target`` or ``horizon`` is not positive, or the multiplier is <= 0.
     """
     if target <= 0 or horizon <= 0:
         raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target=}, {horizon=}")
     error = min(max(observed_kl / target - 1.0, -_ADAPTIVE_KL_ERROR_CLIP), _ADAPTIVE_KL_ERROR_CLIP)
-    return coef * (1.0 + error * n_steps / horizon)
+    multiplier = 1.0 + error * n_steps / horizon
+    if multiplier <= 0:
+        raise ValueError(f"adaptive KL multiplier 1 + ({error:g}) * {n_steps} / {horizon} = {multiplier:g} "
+                         f"is not positive: horizon must be > n_steps / {1 / _ADAPTIVE_KL_ERROR_CLIP:g} = "
+                         f"{n_steps * _ADAPTIVE_KL_ERROR_CLIP:g}")
+    return coef * multiplier

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from algorithms.kl import kl_penalty
-from algorithms.masked import masked_count, masked_mean, masked_min_max, masked_sum, masked_var
+from algorithms.masked import accumulated, masked_count, masked_mean, masked_min_max, masked_sum, masked_var
 
 _EV_VAR_FLOOR = 1e-8  # keeps explained variance finite when the returns are constant
+# |log r| bound before exp() in the surrogate (verl's): exp(100) = inf, whose backward gives 0 * inf = NaN
+_LOG_RATIO_CLAMP = 20.0
 
 
 def aggregate_loss(
@@ -42,28 +44,30 @@ def aggregate_loss(
         num_sequences: divisor of the sequence-level sum.
 
     Returns:
-        0-dim tensor in ``per_token.dtype``.
+        0-dim tensor in ``per_token.dtype``, summed and divided in at least float32 (an fp16 sum of 80k
+        tokens' losses overflows).
 
     Raises:
         ValueError: for an unknown ``aggregation`` or a non-positive divisor.
     """
+    wide = accumulated(per_token)
     if aggregation == "token":
         if num_tokens is None:
-            return masked_mean(per_token, mask)
+            return masked_mean(wide, mask).to(per_token.dtype)
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-        return masked_sum(per_token, mask) / num_tokens
+        return (masked_sum(wide, mask) / num_tokens).to(per_token.dtype)
     if aggregation != "sequence":
         raise ValueError(f"unknown aggregation {aggregation!r}; allowed values: token, sequence")
-    counts = masked_count(per_token, mask, dim=-1)
+    counts = masked_count(wide, mask, dim=-1)
     has_tokens = counts > 0
-    per_sequence = masked_sum(per_token, mask, dim=-1) / counts.clamp(min=1)
+    per_sequence = masked_sum(wide, mask, dim=-1) / counts.clamp(min=1)
     total = torch.where(has_tokens, per_sequence, torch.zeros_like(per_sequence)).sum()
     if num_sequences is None:
-        return total / has_tokens.sum().clamp(min=1)
+        return (total / has_tokens.sum().clamp(min=1)).to(per_token.dtype)
     if num_sequences <= 0:
         raise ValueError(f"num_sequences must be positive, got {num_sequences}")
-    return total / num_sequences
+    return (total / num_sequences).to(per_token.dtype)
 
 
 def policy_loss(
@@ -85,11 +89,16 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss, with optional dual clip, importance weights and KL-to-reference.
 
-    Per token, with ``r = exp(logprobs - old_logprobs)``:
+    Per token, with ``r = exp(clamp(logprobs - old_logprobs, -20, 20))``:
     ``L = max(-A r, -A clamp(r, 1 - clip_low, 1 + clip_high))`` (clip_high > clip_low is DAPO clip-higher);
     dual clip where ``A < 0`` only: ``L = min(L, -clip_c A)``; then ``L *= importance_weights`` (detached);
     then ``L += kl_coef * kl_penalty(logprobs, ref_logprobs, kl_type)`` when ``kl_coef > 0`` and
     ``ref_logprobs`` is given (this term carries gradient through ``logprobs``).
+
+    The log-ratio is clamped to ``[-20, 20]`` before ``exp`` (as verl does; the KL estimators clamp at the
+    same bound): a token beyond it gets no gradient through the ratio, where ``exp(100) = inf`` gave a finite
+    loss and a NaN gradient that lost the whole optimizer step. Inside the bound nothing changes; the ratio
+    metrics see the clamped ratio.
 
     Aggregation (:func:`aggregate_loss`) ``"token"``: masked sum over ``num_tokens`` (default: this batch's
     valid-token count). ``"sequence"``: each row's mean over its valid tokens, summed over rows with >= 1
@@ -130,8 +139,10 @@ def policy_loss(
         raise ValueError(f"unknown aggregation {aggregation!r}; allowed values: token, sequence")
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    # zero the log-ratio outside the mask so padding cannot overflow exp() and send NaN into the gradients
-    log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
+    # zero the log-ratio outside the mask so padding cannot overflow exp() and send NaN into the gradients;
+    # clamp it inside, for the same reason
+    log_ratio = torch.clamp(logprobs - old_logprobs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = torch.where(valid, log_ratio, zero)
     ratio = torch.exp(log_ratio)
     advantages = torch.where(valid, advantages, zero)  # junk advantages at padding would NaN the gradient too
     unclipped = -advantages * ratio

@@ -2,7 +2,8 @@
 
 Conventions shared by the whole package: ``mask`` is a bool or float tensor that broadcasts to ``x``;
 a nonzero entry marks a valid position (for PPO: a token the policy generated). Invalid positions never
-contribute to a result, even when they hold NaN or inf.
+contribute to a result, even when they hold NaN or inf. Sums and counts accumulate in at least float32
+(fp16/bf16 are widened, :func:`accumulated`); results come back in the input's dtype.
 """
 
 from __future__ import annotations
@@ -16,8 +17,27 @@ def _valid(x: Tensor, mask: Tensor) -> Tensor:
     return mask.bool().expand_as(x)
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def accumulated(x: Tensor) -> Tensor:
+    """``x`` in at least float32 for summing or counting it: fp16 holds no count above 65504 (80k tokens gave
+    a count of inf and a mean of 0) and bf16 counts exactly only to 256 (1001 tokens were 1000). ``x`` itself
+    when it is float32 or float64."""
+    return x.to(_accumulator(x.dtype))
+
+
+def _sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None) -> Tensor:
+    """Sum of the valid entries of ``x``, in :func:`accumulated`'s dtype."""
+    wide = accumulated(x)
+    # where, not multiply: 0 * NaN in padding would poison the sum
+    kept = torch.where(_valid(x, mask), wide, torch.zeros((), dtype=wide.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
-    """Sum of ``x`` over valid entries.
+    """Sum of ``x`` over valid entries, accumulated in at least float32 (:func:`accumulated`).
 
     Args:
         x: any float tensor, e.g. [B, T].
@@ -27,24 +47,26 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None
     Returns:
         ``x.dtype`` tensor with ``dim`` removed (a 0-dim tensor when ``dim`` is None).
     """
-    # where, not multiply: 0 * NaN in padding would poison the sum
-    kept = torch.where(_valid(x, mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return kept.sum() if dim is None else kept.sum(dim=dim)
+    return _sum(x, mask, dim).to(x.dtype)
 
 
 def masked_count(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
-    """Number of valid entries of ``x`` (as ``x.dtype``), reduced like :func:`masked_sum`."""
-    valid = _valid(x, mask).to(x.dtype)
+    """Number of valid entries of ``x``, reduced like :func:`masked_sum`.
+
+    In ``x.dtype``, or float32 for fp16/bf16 ``x`` (which hold exact counts only up to 2048 and 256).
+    """
+    valid = _valid(x, mask).to(_accumulator(x.dtype))
     return valid.sum() if dim is None else valid.sum(dim=dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
     """Mean of ``x`` over valid entries; 0 (not NaN) where there are none.
 
-    Shapes and dtype as :func:`masked_sum`.
+    Sum and count in at least float32 (:func:`accumulated`), so 80k fp16 tokens average right. Shapes and
+    dtype as :func:`masked_sum`.
     """
     # clamp the count so an empty mask gives 0 / 1 = 0
-    return masked_sum(x, mask, dim) / masked_count(x, mask, dim).clamp(min=1)
+    return (_sum(x, mask, dim) / masked_count(x, mask, dim).clamp(min=1)).to(x.dtype)
 
 
 def masked_min_max(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -64,17 +86,18 @@ def masked_min_max(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False) -> Tensor:
-    """Variance of ``x`` over all valid entries (a 0-dim ``x.dtype`` tensor).
+    """Variance of ``x`` over all valid entries (a 0-dim ``x.dtype`` tensor, computed in at least float32).
 
     Biased (divide by n) by default; ``unbiased`` divides by n - 1. Returns 0 when there are too few valid
     entries to define it (n == 0, or n <= 1 when unbiased) instead of NaN.
     """
-    centered = x - masked_mean(x, mask)
+    wide = accumulated(x)
+    centered = wide - masked_mean(wide, mask)
     var = masked_mean(centered * centered, mask)
     if unbiased:
-        n = masked_count(x, mask)
+        n = masked_count(wide, mask)
         var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), torch.zeros_like(var))
-    return var
+    return var.to(x.dtype)
 
 
 def widened(x: Tensor) -> Tensor:

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from algorithms import (
+    aggregate_loss,
     compute_gae,
     entropy_from_logits,
     explained_variance,
     kl_penalty,
     logprobs_from_logits,
+    masked_count,
     masked_mean,
     masked_sum,
     masked_var,
@@ -65,6 +67,29 @@ def test_masked_var_biased_and_unbiased() -> None:
     close(masked_var(x, mask, unbiased=True), 2.5)  # 10 / 4
     close(masked_var(x, torch.zeros_like(mask)), 0.0)
     close(masked_var(x, torch.zeros_like(mask), unbiased=True), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_masked_reductions_of_half_precision_count_and_sum_in_float32(dtype: torch.dtype) -> None:
+    """80k fp16 tokens: the fp16 count was inf and the mean 0 (a policy loss of NaN and a gradient of -0);
+    bf16 counted 1001 tokens as 1000. Sums and counts now accumulate in float32, results in the input dtype."""
+    x, mask = torch.full((20, 4000), 0.5, dtype=dtype), torch.ones(20, 4000)
+    assert masked_count(x, mask).item() == 80_000
+    assert masked_mean(x, mask).dtype == dtype and masked_mean(x, mask).item() == 0.5
+    assert masked_mean(x, mask, dim=1).tolist() == [0.5] * 20
+    assert masked_var(x, mask).item() == 0.0
+    assert aggregate_loss(x, mask, "token").item() == 0.5 and aggregate_loss(x, mask, "sequence").item() == 0.5
+    assert aggregate_loss(x, mask, "token", num_tokens=80_000).item() == 0.5  # the fp16 sum 40000 * 2 overflows
+    some = torch.zeros(1, 2000)
+    some[0, :1001] = 1
+    assert masked_count(torch.zeros(1, 2000, dtype=dtype), some).item() == 1001
+    # A = 1, ratio 1 on every token: loss -1, gradient -1/80000 per token
+    logprobs = torch.zeros(20, 4000, dtype=dtype, requires_grad=True)
+    loss, _ = policy_loss(logprobs, torch.zeros(20, 4000, dtype=dtype), torch.ones(20, 4000, dtype=dtype), mask)
+    loss.backward()
+    assert loss.dtype == dtype and loss.item() == -1.0
+    assert logprobs.grad is not None
+    close(logprobs.grad.float(), torch.full((20, 4000), -1 / 80_000), atol=0.0, rtol=1e-2)
 
 
 def test_masked_whiten_hand_computed() -> None:
@@ -217,6 +242,21 @@ def test_gae_with_gamma_and_lambda_one_gives_monte_carlo_returns() -> None:
     close(adv, [[1.3, 1.3, 0.3]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gae_in_half_precision_accumulates_in_float32(dtype: torch.dtype) -> None:
+    """gamma = lam = 1, 2048 tokens each paying a KL of 0.001, score 1 on the last: the return is 1 - 2.048.
+    In bf16 each -0.001 rounded away against the running 1.0 (the return came out 1.0); now the recursion runs
+    in float32 and only the result is rounded to the values' dtype."""
+    mask = torch.ones(1, 2048)
+    rewards = token_level_rewards(torch.ones(1), torch.full((1, 2048), 0.001), mask, 1.0).to(dtype)
+    values = torch.zeros(1, 2048, dtype=dtype)
+    adv, ret = compute_gae(rewards, values, mask, 1.0, 1.0)
+    assert adv.dtype == ret.dtype == dtype
+    adv32, ret32 = compute_gae(rewards.float(), values.float(), mask, 1.0, 1.0)
+    assert torch.equal(ret, ret32.to(dtype)) and torch.equal(adv, adv32.to(dtype))
+    close(ret[0, 0].double(), 1 - 2.048, atol=1e-2)
+
+
 def test_gae_with_lambda_zero_is_one_step_td() -> None:
     # lam = 0: A_t = r_t + gamma * V_{t+1} - V_t = [0 + 0.9*0.4 - 0.5, 0 + 0.9*0.3 - 0.4, 1 - 0.3]
     adv, _ = compute_gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.4, 0.3]]), t([[1, 1, 1]]), GAMMA, 0.0)
@@ -266,6 +306,33 @@ def test_policy_loss_gradient_is_zero_on_clipped_tokens() -> None:
     # clipped tokens a, c and the padding get 0 (and no NaN from the overflowing padding)
     assert logprobs.grad is not None
     close(logprobs.grad, [[0.0, -0.1, 0.0], [0.3, -0.44, 0.0]])
+
+
+@pytest.mark.parametrize(("advantage", "clip_c", "expected_loss"), [
+    (1.0, None, (-1.0 - 1.2 - 1.0) / 3),  # A > 0, r huge: max(-r, -1.2) = -1.2, the clipped branch
+    (-1.0, 3.0, (1.0 + 3.0 + 1.0) / 3),  # A < 0, r huge: min(max(r, 1.2), 3) = 3, the dual clip
+])
+def test_policy_loss_gradient_of_an_overflowing_ratio_is_zero_not_nan(
+    advantage: float, clip_c: float | None, expected_loss: float
+) -> None:
+    """Log-ratio 100 on token 1: exp(100) = inf in float32 gave a finite loss and a NaN gradient (0 * inf in
+    exp's backward), which lost the whole optimizer step. The log-ratio is clamped to [-20, 20] before exp, so
+    that token's gradient is 0, as the surrogate's is, and the others keep theirs: -A r / 3 = -A / 3."""
+    logprobs = torch.tensor([[0.0, 100.0, 0.0]], requires_grad=True)
+    zeros, ones = torch.zeros(1, 3), torch.ones(1, 3)
+    loss, metrics = policy_loss(logprobs, zeros, advantage * ones, ones, clip_c=clip_c)
+    loss.backward()
+    close(loss, expected_loss)
+    assert logprobs.grad is not None
+    close(logprobs.grad, [[-advantage / 3, 0.0, -advantage / 3]])
+    close(metrics["ratio_max"], math.exp(20.0), rtol=1e-6)
+    # inside the bound nothing changes: log-ratio 19 gives the same loss and gradients
+    inside = torch.tensor([[0.0, 19.0, 0.0]], requires_grad=True)
+    loss_inside, _ = policy_loss(inside, zeros, advantage * ones, ones, clip_c=clip_c)
+    loss_inside.backward()
+    close(loss_inside, expected_loss)
+    assert inside.grad is not None
+    close(inside.grad, logprobs.grad)
 
 
 def test_policy_loss_clip_higher() -> None:

@@ -428,6 +428,24 @@ def test_contradictory_settings_are_refused_naming_both_keys(overrides, keys):
         assert key in str(err.value), (key, str(err.value))
 
 
+def test_an_adaptive_kl_horizon_that_could_turn_beta_negative_is_refused():
+    """beta *= 1 + err * samples / horizon with err down to -0.2: a horizon of samples / 5 or less can make the
+    factor 0 or negative (horizon 10, someone thinking in steps, with 64 samples per step turned beta to -0.014
+    and kept it there). Refused at start naming the key, the samples per step it was checked against and the
+    allowed range."""
+    adaptive = ["ppo.kl_controller.type=adaptive", "ppo.num_prompts_per_step=16",
+                "ppo.num_generations_per_prompt=4"]
+    for horizon in (10, 12):  # 64 samples: the horizon must be above 12.8
+        with pytest.raises(ConfigError) as err:
+            load_config(ActorConfig, None, [*adaptive, f"ppo.kl_controller.horizon={horizon}"])
+        for words in (f"ppo.kl_controller.horizon={horizon}", "64 samples per step", "above 12.8"):
+            assert words in str(err.value), (words, str(err.value))
+    assert load_config(ActorConfig, None, [*adaptive, "ppo.kl_controller.horizon=13"]).ppo.kl_controller.horizon \
+        == 13
+    # the fixed controller never moves beta: any horizon is fine
+    assert load_config(ActorConfig, None, ["ppo.kl_controller.horizon=1"]).ppo.kl_controller.horizon == 1
+
+
 def test_a_hash_inside_quotes_or_a_word_is_kept():
     cfg = load_config(ActorConfig, None, ['data.prompt_key="Answer #1 first"', "data.label_key=C#",
                                           "policy.generation.stop_strings=['#', ' #x']"])

@@ -260,6 +260,40 @@ def test_grpo_constant_group_in_float32_is_exactly_zero(leave_one_out: bool) -> 
     assert torch.equal(group_reward_std(scores, ids([3] * 8)), torch.zeros(8))
 
 
+def _grpo_reference(rewards: list[float], epsilon: float = 1e-6) -> list[float]:
+    """GRPO with the leave-one-out baseline, as docs/algorithms.md writes it, in float64 one sample at a time:
+    ``A_i = r_i - mean(others)``, divided by ``std(others) + eps`` where that unbiased std is above eps."""
+    r = torch.tensor(rewards, dtype=F64)
+    out = []
+    for i in range(len(rewards)):
+        others = torch.cat([r[:i], r[i + 1:]])
+        a, s = r[i] - others.mean(), others.std()
+        out.append(float(a / (s + epsilon)) if s > epsilon else float(a))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("rewards", [
+    # sample 0's others [1, .667, .333]: mean .6667, std .3335 -> A_0 = (1e30 - .6667) / .3335 = 2.9985e30
+    [1e30, 1.0, 0.667, 0.333],
+    # others [.3, .2, .1]: mean .2, std .1 -> A_0 = (1e5 - .2) / (.1 + 1e-6) = 999988
+    [1e5, 0.3, 0.2, 0.1],
+    # others [1, .5, 0]: std .5 -> A_0 = (1e8 - .5) / .500001 = 2e8
+    [1e8, 1.0, 0.5, 0.0],
+    # others all .333: std 0 -> A_0 = 1e30 - .333, unscaled
+    [1e30, 0.333, 0.333, 0.333],
+])
+def test_grpo_leave_one_out_std_of_an_outlier_is_the_std_of_the_others(
+    rewards: list[float], dtype: torch.dtype
+) -> None:
+    """The std an outlier is divided by is that of the other samples. It was computed from differences taken
+    relative to the outlier, which cancel catastrophically: [1e30, 1, .667, .333] gave A_0 = 1.1e7 in float32
+    (5.8e15 in float64) for 3.0e30, [1e5, .3, .2, .1] gave 1.02e6 for 999988 (2% off)."""
+    adv = grpo_advantages(t(rewards, dtype), ids([0] * 4), torch.ones(4, 1, dtype=dtype))
+    assert adv.dtype == dtype
+    close(adv[:, 0], _grpo_reference(rewards), atol=0.0, rtol=1e-5)
+
+
 def test_grpo_invalid_samples_get_zero_and_do_not_count() -> None:
     # valid [T, T, T, F], r = [1, 0, 0, NaN]; leave-one-out over valid others:
     #   s0: b 0, std 0 -> A 1 unscaled; s1, s2: b 0.5, std sqrt(0.5) -> -0.5 / (0.7071068 + 1e-6);  s3: 0
@@ -431,6 +465,18 @@ def test_adaptive_kl_coef_rejects_nonpositive_target_or_horizon() -> None:
         adaptive_kl_coef(0.1, 1.0, target=1.0, horizon=0, n_steps=1)
 
 
+def test_adaptive_kl_coef_refuses_a_multiplier_that_is_not_positive() -> None:
+    """64 samples with horizon 10 (someone thinking in steps): 1 - 0.2 * 64 / 10 = -0.28 turned beta negative, a
+    reward for leaving the reference that the trainer never adapted again. Refused; horizon > 64 / 5 is fine."""
+    with pytest.raises(ValueError, match=r"horizon must be > n_steps / 5 = 12\.8"):
+        adaptive_kl_coef(0.05, 0.0, target=6.0, horizon=10, n_steps=64)
+    with pytest.raises(ValueError, match="not positive"):  # 1 - 0.2 * 50 / 10 = 0: beta would be 0 for good
+        adaptive_kl_coef(0.05, 0.0, target=6.0, horizon=10, n_steps=50)
+    assert adaptive_kl_coef(0.05, 0.0, target=6.0, horizon=13, n_steps=64) == pytest.approx(0.05 * (1 - 12.8 / 13))
+    # above target the multiplier only grows: 1 + 0.2 * 6.4
+    assert adaptive_kl_coef(0.05, 12.0, target=6.0, horizon=10, n_steps=64) == pytest.approx(0.05 * 2.28)
+
+
 @pytest.mark.parametrize("loo", [True, False])
 def test_huge_finite_rewards_normalize_as_their_scaled_down_copies_in_float32(loo: bool) -> None:
     """Rewards of 1e30 (a reward source gone wrong, but finite) are scaled away by every normalization, as 1e0 are:
@@ -440,6 +486,7 @@ def test_huge_finite_rewards_normalize_as_their_scaled_down_copies_in_float32(lo
     rewards = t([1.0, 3.0, 2.0, 7.0, 0.5, 4.0], f32)
     groups, mask = torch.tensor([0, 0, 0, 1, 1, 1]), torch.ones(6, 3, dtype=f32)
     tokens = rewards[:, None] * mask
+    components = torch.stack([rewards, rewards.flip(0)])
     for scale in (1e20, 1e30):
         huge = rewards * scale
         close(masked_whiten(huge[:, None] * mask, mask), masked_whiten(tokens, mask), rtol=1e-5)
@@ -447,4 +494,25 @@ def test_huge_finite_rewards_normalize_as_their_scaled_down_copies_in_float32(lo
         close(grpo_advantages(huge, groups, mask, leave_one_out=loo), grpo_advantages(rewards, groups, mask, leave_one_out=loo),
               rtol=1e-5)
         assert grpo_advantages(huge, groups, mask, leave_one_out=loo).dtype == f32
+        # GDPO: its batch std is float64 too (without normalize_rewards the combined advantage stays huge)
+        for normalize in (True, False):
+            options = {"leave_one_out": loo, "normalize": normalize}
+            gdpo = gdpo_advantages(components * scale, [1.0, 0.5], groups, mask, **options)
+            close(gdpo, gdpo_advantages(components, [1.0, 0.5], groups, mask, **options), rtol=1e-5)
+            assert gdpo.dtype == f32
     assert masked_whiten(tokens, mask).abs().sum() > 0
+    assert gdpo_advantages(components, [1.0, 0.5], groups, mask, leave_one_out=loo, normalize=False).abs().sum() > 0
+
+
+def test_gdpo_one_huge_component_value_gives_finite_nonzero_advantages() -> None:
+    """One sample's component at 1e20 (a reward model gone wrong on one sample) made the float32 batch std inf,
+    so every advantage of the step was 0. Now the batch statistics are float64: the advantages are finite, and
+    the huge sample stands out while the others share what is left."""
+    f32 = torch.float32
+    components = t([[1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]], f32)
+    components[0, 0] = 1e20
+    adv = gdpo_advantages(components, [1.0, 0.5], ids([0] * 4 + [1] * 4), torch.ones(8, 1, dtype=f32))
+    assert adv.dtype == f32 and torch.isfinite(adv).all() and (adv != 0).all()
+    # sample 0's combined advantage ~1e20 dwarfs the rest: (A - mean) / std = 7 / sqrt(8) for it, -1 / sqrt(8)
+    # for each of the 7 others (one huge value among n = 8: mean 1e20/8, unbiased std 1e20 / sqrt(8))
+    close(adv[:, 0], [7 / math.sqrt(8)] + [-1 / math.sqrt(8)] * 7, atol=1e-5)

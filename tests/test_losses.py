@@ -284,6 +284,32 @@ def test_truncated_importance_weights_rejects_bad_arguments() -> None:
         truncated_importance_weights(old, gen, mask, "tis", 2.0, 0.5)
 
 
+@pytest.mark.parametrize(("kind", "weights"), [
+    ("tis", [[1.0, 2.0, 0.0, 1.0]]),  # inf clamped to 2; NaN zeroed
+    ("icepop", [[1.0, 0.0, 0.0, 1.0]]),  # inf outside [0.5, 2]: zeroed; NaN zeroed
+    ("seq-mask-tis", [[1.0, 0.0, 0.0, 1.0]]),  # row kept (non-finite log ratios count 0: mean 0); inf, NaN zeroed
+])
+def test_importance_metrics_count_weights_zeroed_for_not_being_finite(
+    kind: str, weights: list[list[float]]
+) -> None:
+    """Token 1: the generation engine gives -inf (w = inf); token 2: both give -inf (w = NaN). Both are zeroed or
+    clamped, so is_clipfrac is 2 / 4 in every mode (it was 0.25, 0.25 and 0.0: the tokens zeroed for not being
+    finite did not count), and the weight statistics are those of the finite weights, 1 and 1 (they were NaN)."""
+    old, gen = t([[0.0, 0.0, -INF, 0.0]]), t([[0.0, -INF, -INF, 0.0]])
+    got, metrics = truncated_importance_weights(old, gen, torch.ones(1, 4), kind, 0.5, 2.0)  # type: ignore[arg-type]
+    close(got, weights)
+    close(metrics["is_clipfrac"], 0.5)
+    for name in ("is_weight_mean", "is_weight_min", "is_weight_max"):
+        close(metrics[name], 1.0)
+    close(metrics["is_dropped_sequences"], 0.0)
+    # no finite weight at all: statistics 0, not NaN; every token counts as zeroed
+    old, gen = t([[-INF, 0.0]]), t([[-INF, -INF]])
+    _, metrics = truncated_importance_weights(old, gen, torch.ones(1, 2), kind, 0.5, 2.0)  # type: ignore[arg-type]
+    assert all(torch.isfinite(value) for value in metrics.values())
+    close(metrics["is_clipfrac"], 1.0)
+    close(metrics["is_weight_max"], 0.0)
+
+
 @pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
 def test_an_importance_weight_that_is_no_finite_number_is_zero(kind) -> None:
     """As NeMo-RL's loss sets them: a token both log-probs put at -inf, and (seq-mask-tis, which keeps a row's
