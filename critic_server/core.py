@@ -58,7 +58,7 @@ from serving.modeling import (
     warm_up,
 )
 from serving.prepack import KeptPacking, prepacks_passes
-from serving.validation import check_lengths, check_per_action, check_tokens
+from serving.validation import check_lengths, check_per_action, check_tokens, token_ids
 
 from .config import CriticConfig
 from .dedupe import Ticket, TrainResult, TrainWindow, same_request
@@ -295,7 +295,8 @@ class CriticCore:
     def validate_infer(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         check_tokens(tokens, "tokens", self.vocab_size, self.max_length, self.cfg.max_request_rows)
         check_lengths(lengths, "lengths", tokens.shape[0], tokens.shape[1])
-        return tokens.long(), lengths.long()
+        lengths = lengths.long()
+        return token_ids(tokens, lengths, "tokens", self.vocab_size), lengths
 
     def values(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The critic's values [B, S] of right-padded rows, normalised as its checkpoint says (`normalize_values`);
@@ -363,7 +364,8 @@ class CriticCore:
         tc = self.cfg.train
         value_clip = tc.value_clip if value_clip is None else _check_setting(value_clip, "value_clip", allow_zero=True)
         loss_scale = tc.loss_scale if loss_scale is None else _check_setting(loss_scale, "loss_scale", allow_zero=False)
-        return TrainInput(tokens.long(), lengths, returns, old_values, mask, value_clip, loss_scale, epochs or 1)
+        tokens = token_ids(tokens, lengths, "tokens", self.vocab_size)
+        return TrainInput(tokens, lengths, returns, old_values, mask, value_clip, loss_scale, epochs or 1)
 
     def apply_train(self, request_id: str, deadline: float | None, batch: TrainInput,
                     ticket: Ticket) -> tuple[TrainResult, bool] | None:
@@ -465,7 +467,8 @@ class CriticCore:
         metrics = {
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "vf_clipfrac": clipped / (n_mask * batch.epochs),
-            "explained_variance": float(explained_variance(values_seen, returns, mask)),
+            # nothing measured where the mask selects no position: NaN, not the 1.0 of two zero variances
+            "explained_variance": float(explained_variance(values_seen, returns, mask)) if mask.any() else math.nan,
             "values_mean": float(masked_mean(values_seen, mask)),
             "returns_mean": float(masked_mean(returns, mask)),
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -611,7 +614,8 @@ def checkpoint_path(root: Path, tag: str) -> Path:
         raise InvalidArgument(f"tag: expected {TAG_RULE}, got {shown}")
     final = root / tag
     if final.is_symlink() or final.resolve().parent != root.resolve():  # a link planted in checkpoint_dir
-        raise InvalidArgument(f"tag: {tag!r} would write outside checkpoint_dir {root} (is {final} a link?)")
+        raise InvalidArgument(f"tag: {final} is a link, and a checkpoint must be a directory of checkpoint_dir "
+                              f"itself (a link may lead anywhere, outside it too)")
     return final
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import struct
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from google.protobuf.message import Message
+import torch
 
 from serving.errors import InvalidArgument
 
@@ -32,22 +33,36 @@ class TrainResult:
     fingerprint: str = ""  # "" where unknown (a window stored before fingerprints were kept)
 
 
-def fingerprint(request: Message) -> str:
-    """SHA-256 of a Train request's payload without its request_id (deterministic serialization)."""
-    payload = type(request)()
-    payload.CopyFrom(request)
-    payload.ClearField("request_id")
-    return hashlib.sha256(payload.SerializeToString(deterministic=True)).hexdigest()
+# what a fingerprint is taken of: FINGERPRINT_VERSION + the hex digest; one stored by an earlier version (the raw
+# request's bytes) cannot be compared and is taken as unknown
+FINGERPRINT_VERSION = "v2:"
+
+
+def fingerprint(tensors: Sequence[torch.Tensor], settings: Sequence[float | int]) -> str:
+    """SHA-256 of what a Train trains on, as validated: its tensors (dtype, shape and bytes: int64 ids, padding as
+    0; float32 per-action values; float32 mask) and settings (as float32). Requests that train alike fingerprint alike, however
+    they were encoded (the mask as bool or float32, the ids as int32, epochs unset or 0, value_clip unset or at the
+    server's default, padding ids, an unknown field a newer client adds)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.numpy().tobytes())
+    # as the wire's float32 carries them: value_clip=0.2 sent is the server's default of 0.2
+    digest.update(struct.pack(f"<{len(settings)}f", *settings))
+    return FINGERPRINT_VERSION + digest.hexdigest()
 
 
 def same_request(request_id: str, stored: TrainResult, request_fingerprint: str) -> TrainResult:
     """The stored result, if it answered this request; InvalidArgument naming the id when the same id came with
     another payload (another step's batch, another client reusing ids), which would otherwise get a reply computed
-    for other data and train nothing."""
-    if stored.fingerprint and request_fingerprint and stored.fingerprint != request_fingerprint:
+    for other data and train nothing. A fingerprint of another version (or none) is not compared."""
+    comparable = stored.fingerprint.startswith(FINGERPRINT_VERSION) and request_fingerprint.startswith(FINGERPRINT_VERSION)
+    if comparable and stored.fingerprint != request_fingerprint:
         raise InvalidArgument(f"request_id: {request_id!r} was applied already to another Train request (other tokens, "
-                              f"returns, mask or settings; reached train step {stored.train_step}); a repeat must send "
-                              f"the same request, and a new request needs a new id")
+                              f"lengths, returns, old_values, mask, value_clip, loss_scale or epochs; reached train step "
+                              f"{stored.train_step}); a repeat must send the same request, and a new request needs a "
+                              f"new id")
     return stored
 
 

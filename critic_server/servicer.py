@@ -70,7 +70,9 @@ class CriticServicer(critic_pb2_grpc.CriticServiceServicer):
             epochs=optional(request, "epochs"),
         )
         if request_id:  # a repeat must be the same request (dedupe.same_request)
-            batch = dataclasses.replace(batch, fingerprint=fingerprint(request))
+            batch = dataclasses.replace(batch, fingerprint=fingerprint(
+                (batch.tokens, batch.lengths, batch.returns, batch.old_values, batch.mask),
+                (batch.value_clip, batch.loss_scale, batch.epochs)))
 
         async def apply() -> tuple[TrainResult, bool]:
             if deadline is not None and time.monotonic() >= deadline:

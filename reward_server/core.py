@@ -44,7 +44,7 @@ from serving.modeling import (
     warm_up,
 )
 from serving.prepack import KeptPacking, prepacks_passes
-from serving.validation import check_int_vector, check_lengths, check_tokens
+from serving.validation import check_int_vector, check_lengths, check_tokens, token_ids
 
 from .config import RewardConfig
 from .scorers import SCORERS, component_name
@@ -233,7 +233,8 @@ class RewardCore:
             raise InvalidArgument("lengths: required with tokens")
         b, s = tokens.shape
         check_lengths(lengths, "lengths", b, s)
-        tokens, lengths = tokens.long(), lengths.long()
+        lengths = lengths.long()
+        tokens = token_ids(tokens, lengths, "tokens", self.vocab_size)
         inp = ScoreInput(rows=b, tokens=tokens, lengths=lengths)
         if prompt_lengths is not None:
             check_int_vector(prompt_lengths, "prompt_lengths", b)
@@ -354,7 +355,7 @@ class RewardCore:
                                       f"{self.max_length}")
         tokens, lengths = right_pad(ids, self.pad_id)
         check_tokens(tokens, field, self.vocab_size, self.max_length, self.cfg.max_request_rows)
-        return tokens, lengths
+        return token_ids(tokens, lengths, field, self.vocab_size), lengths
 
     # --- scoring --------------------------------------------------------------------------------
     def score_batch(self, requests: list[ScoreInput]) -> list[ScoreOutput]:

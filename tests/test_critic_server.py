@@ -258,7 +258,8 @@ def test_save_does_not_follow_links_or_replace_foreign_directories(critic, stub,
     (critic.ckpt / "notes").mkdir()
     (critic.ckpt / "notes" / "keep.txt").write_text("mine")
     try:
-        expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="linked"), "tag", "outside checkpoint_dir")
+        expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="linked"), "tag", "is a link", "checkpoint_dir itself")
+        expect_invalid(stub.Load, critic_pb2.LoadRequest(tag="linked"), "tag", "is a link")
         expect_invalid(stub.Save, critic_pb2.SaveRequest(tag="notes"), "tag", "not a critic checkpoint")
         reply = stub.Save(critic_pb2.SaveRequest(tag="planted"), timeout=120)  # its temp dir name was a link
         assert reply.path == str((critic.ckpt / "planted").resolve())
@@ -348,6 +349,29 @@ def test_bad_infer_requests_name_the_field(stub, request_fn, words):
     expect_invalid(stub.Infer, request_fn(tokens, lengths), *words)
 
 
+def test_padding_may_hold_any_id_and_an_id_outside_the_vocabulary_before_a_row_s_end_is_named(stub):
+    """Positions at or past lengths[b] are padding and ignored, as the proto says: hand-written trainers pad with -1
+    or -100, or with a pad id added past the embeddings (all were refused). An id outside the vocabulary before a
+    row's end is refused naming its row and position."""
+    tokens, lengths = batch(9)
+    vocab = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).vocab_size
+    padding = torch.arange(tokens.shape[1])[None, :] >= lengths[:, None]
+    assert padding.any()
+    want = infer(stub, torch.where(padding, 0, tokens), lengths)
+    for pad in (-1, -100, vocab, vocab + 10_000):
+        torch.testing.assert_close(infer(stub, torch.where(padding, pad, tokens), lengths), want, atol=0, rtol=0)
+    step = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
+    padded = train_request(torch.where(padding, -100, tokens), 1.0)
+    padded.lengths.CopyFrom(encode(lengths))
+    padded.mask.CopyFrom(encode((~padding[:, 1:]).float()))
+    assert stub.Train(padded, timeout=120).train_step == step + 1
+    inside = tokens.clone()
+    inside[1, 0] = vocab
+    details = expect_invalid(stub.Infer, critic_pb2.InferRequest(tokens=encode(inside), lengths=encode(lengths)),
+                             "tokens", "padding")
+    assert f"tokens[1, 0] = {vocab}" in details
+
+
 def test_a_realistic_batch_fits_the_transport(stub):
     """512 x 4096 int64 tokens is 16 MiB, four times gRPC's default limit: it must reach the validator."""
     tokens = torch.zeros(512, 4096, dtype=torch.long)
@@ -375,6 +399,9 @@ def test_bad_train_requests_leave_the_weights_alone(stub):
     before, step = infer(stub, tokens, lengths), stub.GetInfo(common_pb2.GetInfoRequest(), timeout=30).train_step
     nan = train_request(tokens, float("nan"))
     expect_invalid(stub.Train, nan, "returns", "NaN")
+    beyond = train_request(tokens, 1.0)  # returns of 1e39: finite in float64, not in float32: it was said to be NaN or infinity
+    beyond.returns.CopyFrom(encode(torch.full(decode(beyond.returns, "r").shape, 1e39, dtype=torch.float64)))
+    expect_invalid(stub.Train, beyond, "returns", "beyond float32's range")
     bad_mask = train_request(tokens, 1.0)
     bad_mask.mask.CopyFrom(encode(torch.ones(4, 3)))
     expect_invalid(stub.Train, bad_mask, "mask", "shape")
@@ -396,6 +423,7 @@ def test_a_train_whose_mask_selects_nothing_takes_no_step(stub):
     reply = stub.Train(nothing, timeout=120)
     assert (reply.train_step, reply.metrics["optimizer_steps"], reply.metrics["skipped_steps"]) == (step, 0, 0)
     assert reply.metrics["empty_steps"] >= 2 and math.isnan(reply.loss)
+    assert math.isnan(reply.metrics["explained_variance"])  # nothing measured: it read 1.0, a perfect fit
     torch.testing.assert_close(infer(stub, tokens, lengths), before, atol=0, rtol=0)
 
 
@@ -719,6 +747,21 @@ def test_a_train_sent_twice_with_the_same_request_id_is_applied_once(critic, stu
                    "applied already to another Train request", "a new request needs a new id")
     assert _info(stub).train_step == step0 + 1
     torch.testing.assert_close(infer(stub, tokens, lengths), values, atol=0, rtol=0)
+    # the same request encoded otherwise is the same request: the mask as bool, the ids as int32 and the returns
+    # as float64, epochs 0 (unset and 0 are 1), the server's own value_clip set, an unknown field of a newer client
+    # (each was refused as another request, naming differences that were not there)
+    same = _with_id(train_request(tokens, 4.0), "run-a/7/0")
+    same.mask.CopyFrom(encode(decode(same.mask, "mask").bool()))
+    same.tokens.CopyFrom(encode(tokens.int()))
+    same.returns.CopyFrom(encode(decode(same.returns, "returns").double()))
+    same.epochs, same.value_clip = 0, 0.2  # the fixture's train.value_clip, the default
+    reply = stub.Train(same, timeout=120)
+    assert reply.repeated and reply.train_step == step0 + 1
+    with channel(critic.address) as ch:
+        raw = ch.unary_unary(SERVICE + "Train")
+        reply = critic_pb2.TrainResponse.FromString(raw(same.SerializeToString() + b"\x98\x06\x01", timeout=120))
+    assert reply.repeated and reply.train_step == step0 + 1  # field 99 = 1 (\x98\x06 is its tag), which it ignores
+    assert _info(stub).train_step == step0 + 1
 
 
 def test_concurrent_duplicates_are_applied_once(critic, stub):

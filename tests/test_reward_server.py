@@ -535,6 +535,24 @@ def test_a_response_ending_with_its_end_of_text_mark_scores_alike_as_a_text_and_
     assert decode(by_texts.rewards, "r").tolist() == decode(by_chats.rewards, "r").tolist() == [1.0] * 4
 
 
+def test_token_padding_may_hold_any_id_for_the_model_and_the_rule_scorers(stub, tokenizer):
+    """Positions at or past lengths[b] are padding and ignored (-1 and -100 were refused): the rewards and the
+    components are those of the same rows padded with in-vocabulary ids."""
+    samples = make_samples(seed=12, n=4)
+    tokens, lengths, prompt_lengths = encode_samples(tokenizer, samples)
+    padding = torch.arange(tokens.shape[1])[None, :] >= lengths[:, None]
+    assert padding.any()
+    replies = []
+    for pad in (0, -1, -100, len(tokenizer) + 7):
+        request = reward_pb2.ScoreRequest(tokens=encode(torch.where(padding, pad, tokens)), lengths=encode(lengths),
+                                          prompt_lengths=encode(prompt_lengths))
+        reply = stub.Score(request, timeout=60)
+        replies.append((decode(reply.rewards, "r"), decode(reply.components["reward/positive_fraction"], "c")))
+    for rewards, component in replies[1:]:
+        torch.testing.assert_close(rewards, replies[0][0], atol=0, rtol=0)
+        torch.testing.assert_close(component, replies[0][1], atol=0, rtol=0)
+
+
 def test_rule_scorer_scores_hand_written_responses(rule_server, rule_stub, tokenizer):
     samples = [
         ("river castle =>", "good bad the great"),  # 2 of 4 positive
