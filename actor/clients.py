@@ -3,9 +3,7 @@ actor keeps working (generating, computing log-probs, training) while the server
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import ssl
 import threading
 import time
@@ -25,7 +23,7 @@ from serving.codec import decode, encode
 from serving.security import BearerClientInterceptor, check_ca_file, is_loopback, load_key_pair, read_pem
 from serving.wire import grpc_options
 
-from .config import RemoteConfig, RewardConfig
+from .config import RemoteConfig, RewardConfig, grpc_target_hosts
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -169,18 +167,10 @@ def check_tls_files(name: str, cfg: RemoteConfig) -> None:
 
 def target_hosts(target: str) -> list[str]:
     """The hosts a gRPC target (`host:port`, `[::1]:5555`, `dns:///host:port`, `ipv4:10.0.0.1:5555,10.0.0.2:5555`) or
-    an http(s) URL may dial; none for a Unix socket."""
-    if target.startswith(("unix:", "unix-abstract:")):
-        return []
-    if "://" in target and not target.startswith("dns:"):
+    an http(s) URL may dial; none for a Unix socket. The config checked both forms when it was read."""
+    if "://" in target and not target.startswith(("dns:", "unix:")):
         return [urllib.parse.urlsplit(target).hostname or ""]
-    hosts = []
-    for address in re.sub(r"^(dns:(//[^/]*)?/|ipv4:|ipv6:)", "", target).split(","):
-        if address.startswith("["):
-            hosts.append(address[1:].partition("]")[0])
-        else:
-            hosts.append(address.rpartition(":")[0] if address.count(":") == 1 else address)
-    return hosts
+    return grpc_target_hosts(target)
 
 
 def warn_clear_text_token(name: str, cfg: RemoteConfig) -> None:
@@ -411,11 +401,6 @@ class RewardClient(_ServerClient):
 
 def _convert_scores(r: reward_pb2.ScoreResponse) -> Scores:
     return decode(r.rewards, "rewards"), {k: decode(v, k) for k, v in r.components.items()}
-
-
-def label_text(label: Any) -> str:
-    """A label as the reward server's `labels` field carries it: strings as they are, anything else as JSON."""
-    return label if isinstance(label, str) else json.dumps(label, ensure_ascii=False)
 
 
 class OpenRLHFRewardClient:

@@ -39,7 +39,7 @@ from .environments import (
     build_environment,
 )
 from .generation import Rollout, SamplingParams
-from .rollouts import RolloutCollector
+from .rollouts import RolloutCollector, derived_seed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -187,7 +187,7 @@ class MultiTurnCollector(RolloutCollector):
             running = [e for e in episodes if not e.done]
             if not running:
                 break
-            self._policy_turn(running, params, seed * 1_000_003 + turn * 7_919)
+            self._policy_turn(running, params, derived_seed(seed, 1_000_003, turn * 7_919))
             with self.timers("environment"):  # part of timers/generate
                 try:
                     step = self.env_thread.call(partial(self.environment.step, [e.messages for e in running],
@@ -234,7 +234,7 @@ class MultiTurnCollector(RolloutCollector):
             by_stops.setdefault(e.stop_strings, []).append(e)
         for k, (stops, group) in enumerate(by_stops.items()):
             turn_params = replace(params, stop_strings=params.stop_strings + stops) if stops else params
-            r = self.backend.generate([e.ids for e in group], turn_params, seed=seed + k)
+            r = self.backend.generate([e.ids for e in group], turn_params, seed=derived_seed(seed, 1, k))
             for i, e in enumerate(group):
                 start, end = len(e.ids), int(r.lengths[i])
                 ids = r.tokens[i, start:end].tolist()

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from algorithms import groups_with_signal, logprobs_from_logits
+from serving.labels import label_text
 from serving.modeling import (
     ModelPass,
     PassLimits,
@@ -36,7 +37,6 @@ from .clients import (
     Pending,
     RewardClient,
     Scores,
-    label_text,
 )
 from .data import Prompt, PromptSampler
 from .generation import GenerationBackend, Rollout, SamplingParams, concat_rollouts, select_rows
@@ -166,6 +166,15 @@ def chat_scorer(client: RewardClient, tokenizer: PreTrainedTokenizerBase) -> Sco
     return score
 
 
+SEED_SPACE = 2**63  # torch takes seeds below 2**64: a derived seed is kept below this, the same below it as before
+
+
+def derived_seed(seed: int, scale: int, offset: int) -> int:
+    """The seed of a part (a generation batch, a turn) of what `seed` seeds: `seed * scale + offset`, taken modulo
+    SEED_SPACE, where a large `ppo.seed` times the scales of nested parts would pass what torch's generators take."""
+    return (seed * scale + offset) % SEED_SPACE
+
+
 def generate_in_batches(generate: Callable[[list[Prompt], SamplingParams, int], Rollout], rows: list[Prompt],
                         params: SamplingParams, seed: int, batch_size: int,
                         timers: Timers) -> Iterator[tuple[int, Rollout]]:
@@ -173,7 +182,7 @@ def generate_in_batches(generate: Callable[[list[Prompt], SamplingParams, int], 
     `generate(rows, params, seed)`, each seeded from `seed` and its offset, generated when the iterator reaches it."""
     for i in range(0, len(rows), batch_size):
         with timers("generate"):
-            r = generate(rows[i:i + batch_size], params, seed * 100_003 + i)
+            r = generate(rows[i:i + batch_size], params, derived_seed(seed, 100_003, i))
         yield i, r
 
 
@@ -298,7 +307,7 @@ class RolloutCollector:
         n_kept = 0
         per_batch = math.ceil(num_prompts * batch_multiplier)
         for gen_batch in range(max_gen_batches):
-            batch = self.generate(sampler.take(per_batch), params, seed * 1_009 + gen_batch, generations)
+            batch = self.generate(sampler.take(per_batch), params, derived_seed(seed, 1_009, gen_batch), generations)
             signal = groups_with_signal(batch.rewards, batch.group_ids)
             batch = batch.select(signal.nonzero().squeeze(1))
             if batch.size:

@@ -6,8 +6,8 @@ same here, extra_logs carries the components. Requests share the gRPC Score queu
 both protocols are merged into one forward pass.
 
 OpenRLHF passes its dataset's labels through as they are, so a label may be any JSON value: a string is used as
-it is, anything else as its JSON text (42 -> "42", null -> "null", [1, 2] -> "[1, 2]"). A query that does not
-start with its prompt (OpenRLHF truncates long prompts) is scored whole. What standard JSON and UTF-8 cannot
+it is, a number in plain decimal (42 -> "42", 1e-05 -> "0.00001"), anything else as its JSON text (null -> "null",
+[1, 2] -> "[1, 2]"). A query that does not start with its prompt (OpenRLHF truncates long prompts) is scored whole. What standard JSON and UTF-8 cannot
 carry (NaN, Infinity, lone surrogates) is refused with 400 (422 where a string is due) naming the field.
 
 OpenRLHF decodes its padded batch with the special tokens kept, so a query may begin with pad text and end with
@@ -22,7 +22,6 @@ servers, so a slice may hold nothing) gets empty lists.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from pydantic import BaseModel, Field
 from transformers import PreTrainedTokenizerBase
 
 from serving.errors import InvalidArgument, ServiceError
+from serving.labels import label_text
 
 from .special_text import leading_run_end, special_marks, trailing_run
 
@@ -157,7 +157,7 @@ def _label_text(value: Any, field: str) -> str:
         text = value
     else:
         try:
-            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+            text = label_text(value)  # a number in plain decimal: 1e-05 is 0.00001
         except ValueError:
             raise InvalidArgument(f"{field}: NaN and Infinity (or a number beyond float range) are not JSON "
                                   "numbers") from None

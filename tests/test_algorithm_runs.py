@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -262,6 +263,8 @@ def test_dynamic_sampling_fails_clearly_at_its_limit(exact_match, labelled_promp
     assert run.returncode == 1
     assert "dynamic sampling kept 0 of the 8 prompt groups" in run.stderr, run.stderr[-2000:]
     assert "ppo.dynamic_sampling_max_gen_batches" in run.stderr
+    # on a line of its own, not after the progress bar's (where `grep '^error:'` missed it)
+    assert re.search(r"^error: dynamic sampling kept 0", run.stderr, re.MULTILINE), run.stderr[-2000:]
 
 
 def test_gdpo_refuses_a_reward_source_with_one_component(exact_match, labelled_prompts, tmp_path):

@@ -386,3 +386,17 @@ def test_an_environment_answering_with_wrong_types_is_named(field, value, messag
     EnvironmentStep(**answer).check(2, "Mine")
     with pytest.raises(BadEnvironment, match=f"Mine.step: {message}"):
         EnvironmentStep(**{**answer, field: value}).check(2, "Mine")
+
+
+def test_the_seeds_derived_for_batches_and_turns_stay_within_what_torch_takes():
+    """A turn's seed is ppo.seed + step, times the scales of a dynamic-sampling batch, a generation batch and a turn:
+    past a ppo.seed of about 1.8e5 that product passed 2**64 and torch refused it (RuntimeError: Overflow when
+    unpacking long) at the first generation. Seeds are now taken modulo 2**63, the same as before below it."""
+    from actor.rollouts import SEED_SPACE, derived_seed
+
+    assert derived_seed(7, 1_009, 2) == 7 * 1_009 + 2 and derived_seed(7, 100_003, 64) == 7 * 100_003 + 64
+    seed = 2**32 - 1 + 10**6  # the largest ppo.seed, a million steps on
+    for scale, offset in ((1_009, 9), (100_003, 4096), (1_000_003, 7_919 * 7), (1, 3)):
+        seed = derived_seed(seed, scale, offset)
+        assert 0 <= seed < SEED_SPACE
+        torch.Generator().manual_seed(seed)

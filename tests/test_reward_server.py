@@ -871,6 +871,20 @@ def test_get_reward_takes_a_batch_of_mixed_labels(server, stub):
     assert out["extra_logs"]["reward/positive_fraction"] == pytest.approx(truth(samples).tolist())
 
 
+def test_a_label_is_sent_as_its_text_a_number_in_plain_decimal():
+    """The actor's labels and /get_reward's are made text by one function: JSON's float text (1e-05, 1e+20) was
+    read by math-verify as other numbers, so a right answer to a dataset's 0.00001 scored 0."""
+    from serving.labels import label_text
+
+    cases = {"42": "42", 42: "42", 72.0: "72.0", 0.1: "0.1", 1e-05: "0.00001", 1e20: "100000000000000000000",
+             -2.5e-7: "-0.00000025", True: "true", None: "null", "[1, 2]": "[1, 2]"}
+    assert {label: label_text(label) for label in cases} == cases
+    assert label_text([1, "two", None]) == '[1, "two", null]' and label_text({"x": "é"}) == '{"x": "é"}'
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            label_text(bad)
+
+
 def test_exact_match_compares_a_label_that_is_no_string_as_its_json_text(exact_server):
     prompt = "what is 6 x 7?"
     cases = [  # (response, label, reward)
@@ -880,6 +894,9 @@ def test_exact_match_compares_a_label_that_is_no_string_as_its_json_text(exact_s
         # OpenRLHF decodes with the special tokens kept: the policy's EOS (and end-of-turn) text ends the query
         (" 42<eos>", 42, 1.0), (" 42</s>", 42, 1.0), (" 42<|im_end|><|endoftext|>", 42, 1.0), (" 42 <eos> <pad>", 42, 1.0),
         (" 42<eos>7", 427, 0.0),
+        # a number as a dataset writes it, in plain decimal, not JSON's float text with an exponent (1e-05, 1e+20),
+        # which math-verify reads as other numbers
+        (" 0.00001", 1e-05, 1.0), (" 100000000000000000000", 1e20, 1.0), (" 1e-05", 1e-05, 0.0),
     ]
     out = openrlhf_rewards(f"{exact_server.http}/get_reward", [prompt + r for r, _, _ in cases],
                            [prompt] * len(cases), [label for _, label, _ in cases])

@@ -16,8 +16,8 @@ import torch
 from pydantic import Field
 
 from embedded.task import positive_fraction
+from serving.labels import label_text
 
-from ..clients import label_text
 from . import BadEnvironment, EnvironmentContext, EnvironmentOptions, EnvironmentStep, Message
 
 
