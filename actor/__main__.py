@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from serving.config import parse_cli
-from serving.startup import imports_without_gc
+from serving.startup import bind_failure, imports_without_gc
 
 from .config import ActorConfig
 
@@ -37,11 +37,45 @@ def _quiet_about_a_full_disk(args: threading.ExceptHookArgs) -> None:
     threading.__excepthook__(args)
 
 
+def _error(message: str) -> None:
+    """`error: <message>` on its own line of stderr while the step's progress bar may be drawn there (printed as is,
+    it went on the bar's line, where `grep '^error:'` missed it)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"error: {message}", file=sys.stderr)
+
+
 def _under(path: object, directory: str) -> bool:
     """Whether `path` (an OSError's filename) lies in `directory`."""
     if not isinstance(path, str | bytes | os.PathLike):
         return False
     return Path(os.fsdecode(path)).resolve().is_relative_to(Path(directory).resolve())
+
+
+def _stop_ids_past_the_vocabulary(cfg: ActorConfig) -> str | None:
+    """The error for policy.generation.stop_token_ids the policy can never sample (an id at or past the vocabulary of
+    its config.json, so the stop never fires), naming the key; None when they fit, or when the model's config cannot
+    be read here (loading the model then says why)."""
+    import transformers
+
+    from embedded import ModelNotFound, resolve_model
+
+    ids = cfg.policy.generation.stop_token_ids
+    if not ids:
+        return None
+    try:
+        path = resolve_model(cfg.policy.model_name, key="policy.model_name")
+        model_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=cfg.policy.trust_remote_code)
+    except (OSError, ValueError, ModelNotFound):
+        return None
+    vocab = getattr(model_config.get_text_config(), "vocab_size", None)
+    past = [i for i in ids if vocab is not None and i >= vocab]
+    if not past:
+        return None
+    return (f"policy.generation.stop_token_ids={ids}: {', '.join(map(str, past))} "
+            f"{'is' if len(past) == 1 else 'are'} past the vocabulary of {cfg.policy.model_name} ({vocab} ids, 0 to "
+            f"{vocab - 1}), so the policy can never sample {'it' if len(past) == 1 else 'them'} and the stop would "
+            "never fire")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,13 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     retain_freed_memory()  # large messages reuse warm pages (serving/codec.py)
     threading.excepthook = _quiet_about_a_full_disk
 
+    if (why := _stop_ids_past_the_vocabulary(cfg)) is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     try:
         trainer = PPOTrainer(cfg)
     except SecurityError as e:  # a TLS or token file that cannot be used: a config error, exit 2 as the servers'
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PortTaken:
+        print(f"error: {bind_failure(cfg.host, cfg.http_port, 'HTTP', 'http_port')}", file=sys.stderr)
+        return 1
     except (RemoteError, IncompatibleServer, DataError, ResumeError, ModelSetupError, BadEnvironment,
-            CompileUnavailable, DeviceUnavailable, ModelNotFound, PortTaken, RunDirInUse) as e:
+            CompileUnavailable, DeviceUnavailable, ModelNotFound, RunDirInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
@@ -90,19 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except (RemoteError, IncompatibleServer, DynamicSamplingError, MissingRewardComponents, BadEnvironment,
             RolloutWorkerError, PolicyDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(f"{e}")
         return 1
     except UnknownMetric as e:  # a config error found at the first checkpoint: the checkpoint is written
-        print(f"error: {e}; the run stopped after its checkpoint, and resumes from it with the name corrected",
-              file=sys.stderr)
+        _error(f"{e}; the run stopped after its checkpoint, and resumes from it with the name corrected")
         return 2
     except OSError as e:
         refused = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and _under(e.filename, cfg.run_dir)
         if e.errno not in DISK_FULL and not refused:
             raise
-        print(f"error: cannot write the run's files under {cfg.run_dir}: {e}; "
-              f"{'make it writable' if refused else 'make room there'} and start the same command again: it resumes "
-              f"from the latest complete checkpoint", file=sys.stderr)
+        _error(f"cannot write the run's files under {cfg.run_dir}: {e}; "
+               f"{'make it writable' if refused else 'make room there'} and start the same command again: it resumes "
+               f"from the latest complete checkpoint")
         return 1
     finally:
         trainer.close()

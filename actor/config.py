@@ -8,29 +8,121 @@ NeMo-Aligner's names to these. Contradictory settings fail at start-up naming bo
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import urllib.parse
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
-from serving.config import DeviceSpec, DirPath, StrictModel
+from serving.config import (
+    MAX_GRPC_MS_S,
+    MAX_MESSAGE_MB,
+    MAX_THREADS,
+    MAX_TIMEOUT_S,
+    SEED_LIMIT,
+    DeviceSpec,
+    DirPath,
+    FilePath,
+    ModelName,
+    StrictModel,
+    not_blank,
+)
 
 AdvEstimatorName = Literal["gae", "raw_reward", "grpo", "gdpo", "reinforce_plus_plus"]
 KLType = Literal["k1", "k2", "k3"]
 
 
+def _host_of(address: str) -> str:
+    """The host of `host:port` or `[IPv6]:port`; ValueError saying what is wrong, a port outside 1..65535 too."""
+    if address.startswith("["):
+        host, closed, rest = address[1:].partition("]")
+        if not closed:
+            raise ValueError("the bracketed IPv6 address has no closing ]")
+        try:
+            ipaddress.IPv6Address(host.partition("%")[0])
+        except ValueError:
+            raise ValueError(f"{host!r} in brackets is no IPv6 address") from None
+        if not rest.startswith(":"):
+            raise ValueError("no :port after the bracketed address")
+        port = rest[1:]
+    else:
+        if address.count(":") > 1:
+            raise ValueError("an IPv6 address goes in brackets, as in [::1]:5555")
+        host, colon, port = address.rpartition(":")
+        if not colon:
+            raise ValueError("no :port (gRPC would dial port 443)")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", host):
+            raise ValueError(f"{host!r} is no host name or address" if host else "no host before the :port")
+    if not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"the port {port!r} is no number from 1 to 65535")
+    return host
+
+
+def grpc_target_hosts(target: str) -> list[str]:
+    """The hosts gRPC target `target` dials (`host:port`, `[::1]:5555`, `dns:[//authority/]host:port`,
+    `ipv4:10.0.0.1:5555,10.0.0.2:5555`, `ipv6:[::1]:5555,...`); none for a Unix socket (`unix:PATH`,
+    `unix-abstract:NAME`). ValueError saying what is wrong with it."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        if not target.partition(":")[2].strip("/"):
+            raise ValueError("no socket path after unix:")
+        return []
+    if dns := re.match(r"dns:(//[^/]*/)?", target):
+        return [_host_of(target[dns.end():])]
+    if target.startswith(("ipv4:", "ipv6:")):
+        hosts = [_host_of(address) for address in target[5:].split(",")]
+        for host in hosts:
+            try:
+                (ipaddress.IPv4Address if target.startswith("ipv4:") else ipaddress.IPv6Address)(host.partition("%")[0])
+            except ValueError:
+                raise ValueError(f"{host!r} is no {target[:4]} address") from None
+        return hosts
+    if "://" in target:
+        raise ValueError("a gRPC address takes no URL scheme")
+    return [_host_of(target)]
+
+
+def _grpc_target(target: str) -> str:
+    try:
+        grpc_target_hosts(target)
+    except ValueError as e:
+        raise ValueError(f"{target!r} is no gRPC address: {e}; expected host:port (e.g. 127.0.0.1:5556), "
+                         f"[IPv6]:port, dns:///host:port, ipv4:/ipv6: address lists or unix:PATH") from None
+    return target
+
+
+# a server's address, checked when the config is read: a malformed one cost connect_timeout_s, then a wrong reason
+GrpcTarget = Annotated[str, AfterValidator(_grpc_target)]
+
+
+def _http_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    why = ("its scheme is not http:// or https://" if parts.scheme.lower() not in ("http", "https") else
+           "it names no host" if not parts.hostname else
+           "its port is no number from 1 to 65535" if port == 0 else None)
+    if why:
+        raise ValueError(f"{url!r} is no URL the reward client can POST to: {why}; expected "
+                         "http(s)://host[:port]/path, e.g. http://rm-host:8002/get_reward")
+    return url
+
+
 class RemoteConfig(StrictModel):
     """A gRPC server the actor talks to."""
 
-    address: str = Field(..., min_length=1, description="host:port of the server.")
-    connect_timeout_s: float = Field(120.0, gt=0, description="How long to wait at start-up for the server to answer and to be ready (its model loaded).")
-    timeout_s: float = Field(600.0, gt=0, description="Deadline of each call.")
-    max_message_mb: int = Field(1024, ge=4, description="gRPC send/receive limit in MiB.")
-    outage_timeout_s: float = Field(300.0, ge=0, description="How long a running job retries (with backoff) a call the server answers UNAVAILABLE (restarting, unreachable) or CANCELLED (shutting down) before it checkpoints and exits 1; 0 fails at once.")
-    keepalive_s: float = Field(30.0, ge=0, allow_inf_nan=False, description="While a call is in flight, ping the server (an HTTP/2 ping) after every keepalive_s seconds without an answer's bytes; a ping unanswered within keepalive_timeout_s closes the connection and the call is retried as in an outage, so a server that froze or a network path that silently drops packets (a node lost behind a Kubernetes Service) costs keepalive_s + keepalive_timeout_s, not the call's whole timeout_s. The server must accept pings this often (its min_ping_interval_s, 5 s by default; a server that does not closes the connection with too_many_pings). 0: no pings.")
-    keepalive_timeout_s: float = Field(20.0, gt=0, allow_inf_nan=False, description="How long a keepalive ping may go unanswered before the connection is taken for dead.")
-    tls_ca_file: str | None = Field(None, description="PEM CA bundle: connect over TLS and verify the server's certificate with it.")
-    tls_cert_file: str | None = Field(None, description="PEM client certificate for mutual TLS (with tls_key_file).")
-    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    address: GrpcTarget = Field(..., description="host:port of the server.")
+    connect_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S, description="How long to wait at start-up for the server to answer and to be ready (its model loaded).")
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, description="Deadline of each call.")
+    max_message_mb: int = Field(1024, ge=4, le=MAX_MESSAGE_MB, description="gRPC send/receive limit in MiB (gRPC's own limit is 2 GiB - 1 B).")
+    outage_timeout_s: float = Field(300.0, ge=0, le=MAX_TIMEOUT_S, description="How long a running job retries (with backoff) a call the server answers UNAVAILABLE (restarting, unreachable) or CANCELLED (shutting down) before it checkpoints and exits 1; 0 fails at once.")
+    keepalive_s: float = Field(30.0, ge=0, le=MAX_GRPC_MS_S, allow_inf_nan=False, description="While a call is in flight, ping the server (an HTTP/2 ping) after every keepalive_s seconds without an answer's bytes; a ping unanswered within keepalive_timeout_s closes the connection and the call is retried as in an outage, so a server that froze or a network path that silently drops packets (a node lost behind a Kubernetes Service) costs keepalive_s + keepalive_timeout_s, not the call's whole timeout_s. The server must accept pings this often (its min_ping_interval_s, 5 s by default; a server that does not closes the connection with too_many_pings). 0: no pings.")
+    keepalive_timeout_s: float = Field(20.0, gt=0, le=MAX_GRPC_MS_S, allow_inf_nan=False, description="How long a keepalive ping may go unanswered before the connection is taken for dead.")
+    tls_ca_file: FilePath | None = Field(None, description="PEM CA bundle: connect over TLS and verify the server's certificate with it.")
+    tls_cert_file: FilePath | None = Field(None, description="PEM client certificate for mutual TLS (with tls_key_file).")
+    tls_key_file: FilePath | None = Field(None, description="PEM private key of tls_cert_file.")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> RemoteConfig:
@@ -40,7 +132,7 @@ class RemoteConfig(StrictModel):
 
 
 class RewardConfig(RemoteConfig):
-    address: str = Field("127.0.0.1:5556", min_length=1, description="host:port of the reward server (source: server).")
+    address: GrpcTarget = Field("127.0.0.1:5556", description="host:port of the reward server (source: server).")
     source: Literal["server", "critic", "openrlhf"] = Field(
         "server",
         description="server: our reward server over gRPC; critic: the rewards of a combined RM + critic server; "
@@ -57,12 +149,12 @@ class RewardConfig(RemoteConfig):
         "when the server reports a chat template, else text).",
     )
     skip_special_tokens: bool = Field(True, description="Texts sent (input: text, or source: openrlhf) are decoded without the policy tokenizer's special tokens; false keeps them, so a chat reward model sees the chat template's markup and the EOS token, as OpenRLHF sends texts to its remote reward models.")
-    url: str | None = Field(None, description="source: openrlhf: the endpoint, e.g. http://rm-host:8002/get_reward.")
+    url: Annotated[str, AfterValidator(_http_url)] | None = Field(None, description="source: openrlhf: the endpoint, e.g. http://rm-host:8002/get_reward.")
     retries: int = Field(3, ge=0, description="source: openrlhf: retries of a request that failed to connect.")
 
 
 class CriticConfig(RemoteConfig):
-    address: str = Field("127.0.0.1:5555", min_length=1, description="host:port of the critic server: used by estimators that need values (gae), and for the rewards with reward.source=critic (a combined critic).")
+    address: GrpcTarget = Field("127.0.0.1:5555", description="host:port of the critic server: used by estimators that need values (gae), and for the rewards with reward.source=critic (a combined critic).")
     ppo_epochs: int = Field(1, ge=1, le=64, description="Critic passes over each step's batch (Train's epochs). Independent of ppo.ppo_epochs: the default 1 trains the critic once a step however many epochs the policy takes; set it equal to ppo.ppo_epochs to train the critic every epoch, as TRL trains its value model.")
 
 
@@ -74,7 +166,7 @@ class GenerationConfig(StrictModel):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens; null disables.")
-    stop_token_ids: list[int] | None = Field(None, description="Extra stop tokens besides EOS (the tokenizer's and every eos_token_id of the policy's generation config, as generate() stops).")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Extra stop tokens besides EOS (the tokenizer's and every eos_token_id of the policy's generation config, as generate() stops); each must be below the policy's vocabulary size (checked at start).")
     stop_strings: list[str] | None = Field(
         None, description="A response stops right after the token that completes one of these strings in its decoded text (also across several tokens), and counts as properly ended; null disables. Checked on a window of the newest tokens (the longest string's length in UTF-8 bytes + 2, as a byte-level tokenizer may split one character into several tokens).")
     val_temperature: float = Field(0.0, ge=0, description="Validation temperature; 0 (the default) is greedy.")
@@ -100,10 +192,14 @@ class OptimizerConfig(StrictModel):
     kwargs: OptimizerKwargs = Field(default_factory=OptimizerKwargs)
 
 
+# A rank past any layer's width adds nothing; a huge one failed inside torch with a C++ traceback
+MAX_LORA_RANK = 65536
+
+
 class LoraConfig(StrictModel):
     """policy.lora: train low-rank adapters (peft) instead of the policy's weights; docs/policy_models.md."""
 
-    rank: int = Field(8, ge=1, description="Rank r of each adapter's A [r, in] and B [out, r] matrices.")
+    rank: int = Field(8, ge=1, le=MAX_LORA_RANK, description="Rank r of each adapter's A [r, in] and B [out, r] matrices.")
     alpha: float = Field(16.0, gt=0, description="Scale: the adapter adds (alpha / rank) * B A x to a layer's output.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during the policy update only (generation and log-prob passes run without it, so with > 0 the first epoch's ratio is no longer exactly 1).")
     target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters: peft's 'all-linear' (every linear layer but the LM head, GPT-2's Conv1D included), another string as a regular expression on whole module names, or module names such as [q_proj, v_proj].")
@@ -136,8 +232,8 @@ class DynamicBatchingConfig(StrictModel):
 
 
 class PolicyConfig(StrictModel):
-    model_name: str = Field("embedded:policy", description="SFT policy: Hugging Face causal-LM path or hub id, or embedded:policy.")
-    reference_model_name: str | None = Field(None, description="Frozen reference policy for the KL term; defaults to model_name.")
+    model_name: ModelName = Field("embedded:policy", description="SFT policy: Hugging Face causal-LM path or hub id, or embedded:policy.")
+    reference_model_name: ModelName | None = Field(None, description="Frozen reference policy for the KL term; defaults to model_name.")
     train_global_batch_size: int = Field(64, ge=1, description="Samples per policy optimizer step.")
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass (gradient accumulation); must divide train_global_batch_size, unless policy.dynamic_batching is enabled (tokens then cut the micro-batches).")
     logprob_batch_size: int = Field(8, ge=1, description="Samples per forward pass when computing rollout and reference log-probs.")
@@ -258,8 +354,8 @@ class AsyncGRPOConfig(StrictModel):
 
     enabled: bool = Field(False, description="Generate in a worker thread with its own copy of the policy, refreshed after every step, into a replay buffer of whole prompt groups; the step trains on the oldest groups. Needs loss_fn.use_importance_sampling_correction with a truncated_importance_sampling_type.")
     max_trajectory_age_steps: int = Field(1, ge=0, description="Most trainer steps between the weights that generated a group and the weights that train on it; the worker runs at most this many steps ahead (0: never, the same run as synchronous), older groups are evicted.")
-    generation_timeout_s: float = Field(600.0, gt=0, description="Longest the step waits for the worker's next groups (a straggling generation); past it the actor checkpoints its last finished step and exits 1.")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads of the generation worker thread; 0: the actor's num_threads.")
+    generation_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, description="Longest the step waits for the worker's next groups (a straggling generation); past it the actor checkpoints its last finished step and exits 1.")
+    num_threads: int = Field(0, ge=0, le=MAX_THREADS, description="torch CPU threads of the generation worker thread; 0: the actor's num_threads.")
 
 
 class PPOConfig(StrictModel):
@@ -270,7 +366,7 @@ class PPOConfig(StrictModel):
     max_num_steps: int = Field(20, ge=1, description="Steps to run.")
     max_num_epochs: int = Field(1_000_000, ge=1, description="Stop after this many passes over the training prompts.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
-    seed: int = Field(42, ge=0, lt=2**63, description="Seed for data order, sampling and initialisation.")
+    seed: int = Field(42, ge=0, lt=SEED_LIMIT, description="Seed for data order, sampling and initialisation.")
     val_period: int = Field(0, ge=0, description="Validate every N steps; 0 disables periodic validation.")
     val_at_start: bool = Field(False, description="Validate before the first step (step 0).")
     val_at_end: bool = Field(False, description="Validate after the run's last step (ppo.max_num_steps, or the end of the data under ppo.max_num_epochs); not when a SIGTERM or checkpointing.checkpoint_must_save_by stops the run early, whose time goes to its checkpoint.")
@@ -334,15 +430,15 @@ class ValueLossConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    train_file: str = Field("embedded:prompts_train", description="Prompts: JSONL (one object per line) or one JSON array of objects, or embedded:prompts_train.")
-    val_file: str = Field("embedded:prompts_eval", description="Prompts for validation, as train_file, or embedded:prompts_eval (which a run validating on its own train_file refuses: set this too).")
+    train_file: FilePath = Field("embedded:prompts_train", description="Prompts: JSONL (one object per line) or one JSON array of objects, or embedded:prompts_train.")
+    val_file: FilePath = Field("embedded:prompts_eval", description="Prompts for validation, as train_file, or embedded:prompts_eval (which a run validating on its own train_file refuses: set this too).")
     prompt_key: str = Field("prompt", description="Key of the prompt text in each JSON object; a dotted key the object does not hold as it is is a path through nested objects (extra_info.question).")
     label_key: str = Field("label", description="Key of the reference answer (any JSON value), sent to the reward scorer with every generation of the prompt; dotted as prompt_key (verl's reward_model.ground_truth).")
     max_input_seq_length: int = Field(64, ge=1, description="Prompts longer than this many tokens are a data error.")
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch.")
-    prompt_file: str | None = Field(None, description="A text file holding a template with one {} where each string prompt goes (NeMo-RL's data.prompt_file; other braces doubled, as in Python's str.format); null uses the prompts as they are. A prompt given as a list of messages has no place for it and is refused naming its line.")
+    prompt_file: FilePath | None = Field(None, description="A text file holding a template with one {} where each string prompt goes (NeMo-RL's data.prompt_file; other braces doubled, as in Python's str.format); null uses the prompts as they are. A prompt given as a list of messages has no place for it and is refused naming its line.")
     apply_chat_template: bool = Field(False, description="Render each string prompt (after prompt_file) as one user message through the policy tokenizer's chat template, with the generation prompt; a prompt given as a list of {role, content} messages is always rendered so.")
-    system_prompt_file: str | None = Field(None, description="A text file whose content becomes the system message of every chat-rendered prompt (NeMo-RL's data.system_prompt_file); needs apply_chat_template.")
+    system_prompt_file: FilePath | None = Field(None, description="A text file whose content becomes the system message of every chat-rendered prompt (NeMo-RL's data.system_prompt_file); needs apply_chat_template.")
 
     @model_validator(mode="after")
     def _system_prompt_needs_chat(self) -> DataConfig:
@@ -365,7 +461,7 @@ LOGGED_METRIC_PREFIXES = ("val/", "train_rollouts/", "train_optim/", "critic/", 
 class CheckpointingConfig(StrictModel):
     enabled: bool = Field(True, description="Write checkpoints under <run_dir>/checkpoints.")
     save_period: int = Field(10, ge=0, description="Checkpoint every N steps (and always at the end); 0 only at the end.")
-    resume: str = Field(
+    resume: Annotated[str, not_blank("auto, never, step_N or the path of a step_N checkpoint")] = Field(
         "auto", description="auto: continue from the latest complete checkpoint in <run_dir>/checkpoints when there "
         "is one; never: start over; step_N: this run's checkpoint of step N (<run_dir>/checkpoints/step_N); or the path of "
         "a step_N checkpoint to continue from (another run's too).")
@@ -378,9 +474,9 @@ class CheckpointingConfig(StrictModel):
     @field_validator("checkpoint_must_save_by", mode="before")
     @classmethod
     def _quoted_time(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads 1:30:00 as 5400
-            raise ValueError(f"expected HH:MM:SS or DD:HH:MM:SS as a string, got the number {value}: YAML reads an "  # noqa: TRY004 - pydantic reports ValueError
-                             f"unquoted 1:30:00 as a base-60 number; quote it ('1:30:00') or write 01:30:00")
+        if isinstance(value, int | float) and not isinstance(value, bool):  # an unquoted 1:30:00 is kept as written
+            raise ValueError(f"expected HH:MM:SS or DD:HH:MM:SS, got the number {value}: write the time, e.g. "  # noqa: TRY004 - pydantic reports ValueError
+                             f"01:30:00")
         return value
 
     @field_validator("metric_name")
@@ -414,6 +510,9 @@ class CheckpointingConfig(StrictModel):
             raise ValueError(f"checkpointing.checkpoint_must_save_by: expected HH:MM:SS or DD:HH:MM:SS, got "
                              f"{self.checkpoint_must_save_by!r}")
         *days, h, m, sec = (int(p) for p in parts)
+        if m >= 60 or sec >= 60 or (days and h >= 24):
+            raise ValueError(f"checkpointing.checkpoint_must_save_by: {self.checkpoint_must_save_by!r} is no time: "
+                             f"minutes and seconds run from 00 to 59{', hours from 00 to 23' if days else ''}")
         return (days[0] if days else 0) * 86400 + h * 3600 + m * 60 + sec
 
 
@@ -426,7 +525,7 @@ class EnvConfig(StrictModel):
     name: str | None = Field(
         None, description="null: no environment (one response per sample, rewards from the reward source); a built-in environment (retry_with_feedback) or an importable 'package.module:Class'. Its rewards become the sample rewards; its own keys sit beside name (docs/environments.md).")
     step_timeout_s: float | None = Field(
-        600.0, gt=0, description="Longest one environment step (its answer to every running sample of a generation batch) may take; past it the run stops (exit 1), its last finished step checkpointed, naming the environment. null: wait as long as it takes.")
+        600.0, gt=0, le=MAX_TIMEOUT_S, description="Longest one environment step (its answer to every running sample of a generation batch) may take; past it the run stops (exit 1), its last finished step checkpointed, naming the environment. null: wait as long as it takes.")
 
     @property
     def options(self) -> dict[str, Any]:
@@ -441,7 +540,8 @@ class EnvConfig(StrictModel):
 
             environment_options(self.name, self.options)  # raises naming env.<key>
         elif self.options:
-            raise ValueError(f"env: {', '.join(sorted(self.options))} set without env.name")
+            raise ValueError(f"env.{', env.'.join(sorted(self.options))} set without env.name: name the environment "
+                             "whose options they are")
         return self
 
     @property
@@ -458,11 +558,12 @@ class ActorConfig(StrictModel):
     """Every key of the actor, with its default."""
 
     run_dir: DirPath = Field("runs/ppo", description="metrics.jsonl, TensorBoard events, reward_curve.png and checkpoints go here.")
-    host: str = Field("127.0.0.1", description="Interface of the actor's REST endpoints.")
+    host: Annotated[str, not_blank("a host name or address, e.g. 127.0.0.1")] = Field(
+        "127.0.0.1", description="Interface of the actor's REST endpoints.")
     http_port: int = Field(8000, ge=0, le=65535, description="REST port for /health, /ready, /metrics; 0 disables.")
-    auth_token_file: str | None = Field(None, description="File holding the bearer token the servers require (the environment variable PPO_SERVICES_AUTH_TOKEN is read when this is unset); sent on every call.")
-    num_threads: int = Field(0, ge=0, description="torch CPU threads of the actor (its thread budget when the servers share the machine's cores); 0: torch's default, one per core.")
-    num_threads_shared: int = Field(0, ge=0, description="The actor's torch threads while co-located servers compute at the same time (log-prob passes while Infer and Score run, the policy update while the critic trains); 0: num_threads. On one machine: num_threads minus the servers' threads.")
+    auth_token_file: FilePath | None = Field(None, description="File holding the bearer token the servers require (the environment variable PPO_SERVICES_AUTH_TOKEN is read when this is unset); sent on every call.")
+    num_threads: int = Field(0, ge=0, le=MAX_THREADS, description="torch CPU threads of the actor (its thread budget when the servers share the machine's cores); 0: torch's default, one per core.")
+    num_threads_shared: int = Field(0, ge=0, le=MAX_THREADS, description="The actor's torch threads while co-located servers compute at the same time (log-prob passes while Infer and Score run, the policy update while the critic trains); 0: num_threads. On one machine: num_threads minus the servers' threads.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)

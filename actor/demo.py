@@ -95,6 +95,18 @@ def plan(cfg, ports: dict[str, tuple[int, int]], thread_budget: str,
     return servers, actor_threads
 
 
+def unless_given(own: list[str], overrides: list[str]) -> list[str]:
+    """The demo's own `key=value` settings for the actor but those whose key the user's `overrides` set (the actor
+    refuses a key given twice; the user's wins, as in `python -m actor.demo checkpointing.resume=auto`)."""
+
+    def key(override: str) -> str:
+        name = override.partition("=")[0]
+        return "ppo." + name.removeprefix("grpo.") if name.startswith("grpo.") else name
+
+    given = {key(o) for o in overrides}
+    return [o for o in own if key(o) not in given]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default=str(ROOT / "configs" / "ppo.yaml"))
@@ -130,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
                 wait_ready(proc, f"http://127.0.0.1:{ports[name][1]}/ready", timeout=300)
             except NotReady as e:
                 raise SystemExit(f"{name} server {e}; see its log above") from None
-        actor = [sys.executable, "-m", "actor", "--config", str(Path(args.config).resolve()), "--http-port", "0",
-                 f"critic.address=127.0.0.1:{ports['critic'][0]}", f"reward.address=127.0.0.1:{ports['reward'][0]}",
-                 *actor_threads, "checkpointing.resume=never", *args.overrides]  # each demo trains from scratch
+        own = ["http_port=0", f"critic.address=127.0.0.1:{ports['critic'][0]}",
+               f"reward.address=127.0.0.1:{ports['reward'][0]}", *actor_threads,
+               "checkpointing.resume=never"]  # each demo trains from scratch
+        actor = [sys.executable, "-m", "actor", "--config", str(Path(args.config).resolve()),
+                 *unless_given(own, args.overrides), *args.overrides]
         print(f"starting actor: {' '.join(actor[1:])}", flush=True)
         # in the caller's directory, as `python -m actor` there: relative paths and a `module:Class` environment of
         # theirs resolve as they would without the demo

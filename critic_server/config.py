@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from serving.config import DirPath, StrictModel
+from serving.config import SEED_LIMIT, DirPath, ModelName, StrictModel
 from serving.server_config import ServerConfig
 
 
@@ -33,13 +33,13 @@ class CriticConfig(ServerConfig):
 
     port: int = Field(5555, ge=0, le=65535, description="gRPC port.")
     http_port: int = Field(8001, ge=0, le=65535, description="REST port for /health, /ready, /metrics.")
-    model: str = Field(
+    model: ModelName = Field(
         "embedded:reward",
         description="Critic weights: a Hugging Face checkpoint path or hub id (a sequence-classification model with one "
         "label, e.g. a reward model, or a causal LM such as the policy, which gets a fresh value head), or "
         "embedded:reward / embedded:policy for the built-in tiny models.",
     )
-    reward_model: str | None = Field(
+    reward_model: ModelName | None = Field(
         None, description="Combined mode: also serve this reward model; Infer then returns rewards as well."
     )
     normalize_reward: bool | None = Field(
@@ -78,7 +78,8 @@ class CriticConfig(ServerConfig):
         ge=0,
         description="Autosaves to keep: 0 leaves them to keep_last; N > 0 keeps the N most recent autosave-* "
         "checkpoints and deletes older autosaves after each autosave, never another tag (the actor's "
-        "<run_id>-step_N checkpoints stay), so autosave_every=1 bounds the disk without keep_last.",
+        "<run_id>-step_N checkpoints stay), so autosave_every=1 bounds the disk without keep_last. N > 0 needs "
+        "autosave_every > 0.",
     )
     resume: Literal["latest", "never"] = Field(
         "latest",
@@ -87,8 +88,15 @@ class CriticConfig(ServerConfig):
         "number each Save and Load records, not by the clock) instead of `model`, if there is one (a damaged one is logged and the next older one tried; when none loads the server exits naming them); "
         "`never` always starts from `model`.",
     )
-    seed: int = Field(1234, description="Seed for the value head's initialisation when the checkpoint has none.")
+    seed: int = Field(1234, ge=0, lt=SEED_LIMIT, description="Seed for the value head's initialisation when the checkpoint has none.")
     train: CriticTrainConfig = Field(default_factory=CriticTrainConfig)
+
+    @model_validator(mode="after")
+    def _autosaves_to_keep_need_autosaves(self) -> CriticConfig:
+        if self.autosave_keep and not self.autosave_every:
+            raise ValueError(f"autosave_keep={self.autosave_keep} keeps autosaves, but autosave_every=0 makes none: "
+                             "set autosave_every to N > 0, or autosave_keep to 0")
+        return self
 
     @model_validator(mode="after")
     def _normalize_needs_a_reward_model(self) -> CriticConfig:

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ CACHE_ENV = "PPO_SERVICES_CACHE"
 MARKER = "build.json"
 EMBEDDED_PREFIX = "embedded:"
 
-__all__ = ["CACHE_ENV", "EmbeddedAssets", "default_cache_dir", "ensure_built", "resolve_model"]
+__all__ = ["CACHE_ENV", "CacheUnusable", "EmbeddedAssets", "default_cache_dir", "ensure_built", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,31 @@ def _build_into(cache: Path, root: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class ModelNotFound(ValueError):
+    """A model setting names no model: an unknown embedded name, a local path with no directory there, a file, or a
+    spec transformers could not load (`naming_the_model`). The message names the setting's key."""
+
+
+class CacheUnusable(ModelNotFound):
+    """The embedded default cannot be built where its cache is: the message names the setting that chose it."""
+
+
+def _check_writable(cache: Path, from_argument: bool) -> None:
+    """Create `cache` and write in it, or raise CacheUnusable naming where it came from ($PPO_SERVICES_CACHE, the
+    argument, or the default): a file there, or a path that cannot be created, failed deep in the build with a bare
+    FileExistsError or FileNotFoundError."""
+    setting = ("the cache directory" if from_argument else
+               f"{CACHE_ENV}={os.environ[CACHE_ENV]}" if os.environ.get(CACHE_ENV) else
+               f"the default cache {cache} (set {CACHE_ENV} to another directory)")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=cache).close()
+    except OSError as e:
+        why = "a file, not a directory" if isinstance(e, FileExistsError | NotADirectoryError) else e.strerror or str(e)
+        raise CacheUnusable(f"{setting}: cannot hold the embedded default models ({cache}: {why}); name a writable "
+                            "directory") from None
+
+
 def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> EmbeddedAssets:
     """Return the embedded assets, building them first unless a complete build is cached.
 
@@ -111,7 +137,7 @@ def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> EmbeddedAss
     root = cache / f"embedded-v{BUILD_VERSION}"
     if _is_complete(root):
         return EmbeddedAssets.at(root)
-    cache.mkdir(parents=True, exist_ok=True)
+    _check_writable(cache, from_argument=cache_dir is not None)
     lock = FileLock(str(cache / f"{root.name}.lock"))
     try:
         lock.acquire(timeout=0)
@@ -127,9 +153,6 @@ def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> EmbeddedAss
     return EmbeddedAssets.at(root)
 
 
-class ModelNotFound(ValueError):
-    """A model setting names no model: an unknown embedded name, a local path with no directory there, a file, or a
-    spec transformers could not load (`naming_the_model`). The message names the setting's key."""
 
 
 @contextlib.contextmanager

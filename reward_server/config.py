@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serving.config import StrictModel
+from serving.config import MAX_TIMEOUT_S, SEED_LIMIT, ModelName, StrictModel
 from serving.server_config import ServerConfig
 
 from .scorers import SCORERS, describe_scorers
@@ -23,11 +23,11 @@ class MathVerifyConfig(StrictModel):
 
     workers: int = Field(0, ge=0, le=64, description="Worker processes scoring samples side by side; 0: num_threads, or "
                          "one per core when that is 0 too. Each takes some 150 MB and one core while it scores.")
-    timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False, description="The longest one sample may take: past it "
+    timeout_s: float = Field(5.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="The longest one sample may take: past it "
                              "its worker is killed and replaced and the sample scores 0.0, logged and counted in "
                              "ppo_reward_math_verify_timeouts_total (math-verify's own limits, 1 s to parse each side and "
                              "1 s to compare, stop most inputs first; not those a signal cannot interrupt).")
-    batch_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description="The longest one batch (the "
+    batch_timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description="The longest one batch (the "
                                    "requests merged into one pass) may take: past it no further sample of it is sent "
                                    "and the rest score 0.0, logged and counted in "
                                    "ppo_reward_math_verify_timeouts_total, so a request of many slow samples whose "
@@ -40,7 +40,7 @@ class RewardConfig(ServerConfig):
     port: int = Field(5556, ge=0, le=65535, description="gRPC port.")
     http_port: int = Field(8002, ge=0, le=65535,
                            description="REST port for /health, /ready, /metrics, /get_reward.")
-    model: str = Field(
+    model: ModelName = Field(
         "embedded:reward",
         description="Learned reward model: a Hugging Face sequence-classification checkpoint with one label "
         "(path or hub id), or embedded:reward for the built-in tiny model. Ignored when `scorer` is set.",
@@ -58,7 +58,7 @@ class RewardConfig(ServerConfig):
         "prompts are sent or a text does not start with its prompt). A component is left out of a response "
         "whose request lacks what it needs (prompt_lengths with tokens; labels for exact_match).",
     )
-    tokenizer: str | None = Field(
+    tokenizer: ModelName | None = Field(
         None,
         description="Tokenizer (path, hub id or embedded:<name>) that decodes token ids for rule scorers and "
         "tokenizes texts for the learned model. Default: the model's own; embedded:policy's with `scorer`.",
@@ -79,7 +79,7 @@ class RewardConfig(ServerConfig):
         "there; false reports raw scores. Not for a rule `scorer`.",
     )
     math_verify: MathVerifyConfig = Field(default_factory=MathVerifyConfig)
-    seed: int = Field(1234, description="torch seed set before loading (a checkpoint without a score head "
+    seed: int = Field(1234, ge=0, lt=SEED_LIMIT, description="torch seed set before loading (a checkpoint without a score head "
                                         "gets a random one).")
 
     @field_validator("scorer")

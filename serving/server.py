@@ -63,6 +63,7 @@ from .security import (
     server_credentials,
 )
 from .server_config import ServerConfig
+from .startup import bind_failure
 from .wire import add_parsing_service, grpc_host, grpc_options, is_known_method, receive_limit_bytes
 
 log = logging.getLogger(__name__)
@@ -425,12 +426,12 @@ class Service:
         except RuntimeError:
             bound = 0
         if bound == 0:
-            log.error("%s cannot listen on %s:%d (gRPC): is the port taken?", self.name, cfg.host, cfg.port)
+            log.error("%s %s", self.name, bind_failure(cfg.host, cfg.port, "gRPC", "port"))
             return 1
         try:
             http_socket = bind_http(cfg.host, cfg.http_port)
-        except PortTaken as e:
-            log.error("%s %s", self.name, e)
+        except PortTaken:
+            log.error("%s %s", self.name, bind_failure(cfg.host, cfg.http_port, "HTTP", "http_port"))
             return 1
         await server.start()
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
+import threading
+from typing import get_args
 
 import pytest
 from transformers import AutoTokenizer
@@ -23,6 +27,7 @@ from actor.data import (
 )
 from critic_server.config import CriticConfig
 from ppo_services.v1 import critic_pb2, reward_pb2
+from reward_server.config import RewardConfig
 from serving.config import ConfigError, load_config
 from serving.modeling import special_affixes, text_ids
 from tests.conftest import with_special_tokens
@@ -403,8 +408,12 @@ def test_a_config_file_that_is_no_utf_8_or_no_mapping_is_refused_naming_it(tmp_p
         (["ppo.reward_scaling.source_min=nan"], ["ppo.reward_scaling.source_min", "finite"]),
         (["policy.optimizer.kwargs.betas=[1.5, 0.9]"], ["policy.optimizer.kwargs.betas.0", "less than 1"]),
         (["ppo.seed=99999999999999999999999"], ["ppo.seed", "less than"]),
-        (["checkpointing.checkpoint_must_save_by=1:30:00"], ["checkpointing.checkpoint_must_save_by", "5400",
-                                                             "quote it"]),
+        (["checkpointing.checkpoint_must_save_by=5400"], ["checkpointing.checkpoint_must_save_by",
+                                                          "expected HH:MM:SS or DD:HH:MM:SS, got '5400'"]),
+        (["checkpointing.checkpoint_must_save_by=99:99:99"], ["checkpointing.checkpoint_must_save_by", "'99:99:99'",
+                                                              "from 00 to 59"]),
+        (["checkpointing.checkpoint_must_save_by=01:24:00:00"], ["checkpointing.checkpoint_must_save_by",
+                                                                 "hours from 00 to 23"]),
         (["data.prompt_key=@x"], ["data.prompt_key=@x", "not valid YAML", "quote"]),
         # YAML's comment would cut the value silently ("Answer #1 first" read as "Answer")
         (["data.prompt_key=Answer #1 first"], ["data.prompt_key=Answer #1 first", "cut to 'Answer'",
@@ -570,3 +579,279 @@ def test_what_a_reward_server_serves_includes_its_normalisation():
     normalised = reward_pb2.RewardInfo(model="m", vocab_sha256="abcdef0123456789", components=["c"],
                                        reward_normalization="(score - 0.25) / 2")
     assert _serves(normalised) != _serves(plain) and "scores normalised (score - 0.25) / 2" in _serves(normalised)
+
+
+# --- what an outside probe of the config found (notes s44): values pydantic accepted and the runtime could not use
+
+def _refusal(model, overrides: list[str], path=None) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(model, path, overrides)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("model, override, words", [
+    # reached torch or gRPC as a C int or long and failed with a traceback (F1)
+    (ActorConfig, "num_threads=10000000000000000000000000000", "num_threads: Input should be less than or equal to 4096"),
+    (ActorConfig, "num_threads_shared=100000", "num_threads_shared: Input should be less than or equal to 4096"),
+    (ActorConfig, "ppo.async_grpo.num_threads=100000", "ppo.async_grpo.num_threads: Input should be less than or"),
+    (CriticConfig, "num_threads=100000", "num_threads: Input should be less than or equal to 4096"),
+    (RewardConfig, "max_message_mb=10000000000000000000000000000", "max_message_mb: Input should be less than or "),
+    (ActorConfig, "reward.max_message_mb=2048", "reward.max_message_mb: Input should be less than or equal to 2047"),
+    (ActorConfig, "critic.keepalive_s=1e30", "critic.keepalive_s: Input should be less than or equal to 2147483"),
+    (ActorConfig, "reward.keepalive_timeout_s=1e30", "reward.keepalive_timeout_s: Input should be less than or equal"),
+    (RewardConfig, "min_ping_interval_s=1e30", "min_ping_interval_s: Input should be less than or equal to 2147483"),
+    (CriticConfig, "http_read_timeout_s=1e300", "http_read_timeout_s: Input should be less than or equal to 2147483"),
+    (ActorConfig, "policy.lora.rank=10000000000000000000000000000", "policy.lora.rank: Input should be less than or "),
+    (CriticConfig, "seed=10000000000000000000000000000", "seed: Input should be less than 4294967296"),
+    (RewardConfig, "seed=-1", "seed: Input should be greater than or equal to 0"),
+    (ActorConfig, "ppo.seed=4294967296", "ppo.seed: Input should be less than 4294967296"),
+    # a deadline past what the clocks take expired at once, or overflowed mid-run (F2)
+    (ActorConfig, "reward.timeout_s=1e300", "reward.timeout_s: Input should be less than or equal to 2592000"),
+    (ActorConfig, "critic.connect_timeout_s=1e300", "critic.connect_timeout_s: Input should be less than or equal"),
+    (ActorConfig, "critic.outage_timeout_s=1e300", "critic.outage_timeout_s: Input should be less than or equal"),
+    (ActorConfig, "ppo.async_grpo.generation_timeout_s=1e300", "generation_timeout_s: Input should be less than or "),
+    (ActorConfig, "env.step_timeout_s=1e300", "env.step_timeout_s: Input should be less than or equal to 2592000"),
+    (RewardConfig, "math_verify.batch_timeout_s=1e300", "math_verify.batch_timeout_s: Input should be less than or"),
+    (CriticConfig, "grace_period_s=1e300", "grace_period_s: Input should be less than or equal to 2592000"),
+    (RewardConfig, "batching.max_queue_delay_ms=1e300", "max_queue_delay_ms: Input should be less than or equal to "),
+])
+def test_numbers_past_what_the_runtime_takes_are_refused_naming_the_key_and_the_bound(model, override, words):
+    """10**30 threads, a 1e300 s deadline, a seed past 2**64 passed validation and then failed in torch or gRPC with
+    a traceback, or (a deadline) expired at once; now the config names the key and its bound."""
+    message = _refusal(model, [override])
+    assert words in message, message
+    assert re.search(r"(less than|greater than)( or equal to)? -?\d+", message), message
+
+
+def test_every_setting_that_reaches_c_or_the_clock_has_an_upper_bound():
+    """Thread counts, message sizes, seeds, ranks and every duration: a key added later without a bound would pass
+    10**30 again."""
+    from pydantic import BaseModel
+
+    def leaves(model, prefix=""):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            sub = next((a for a in (ann, *get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+            if sub is not None:
+                yield from leaves(sub, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", field
+
+    bounded = re.compile(r"(^|\.)(\w*num_threads\w*|max_message_mb|seed|rank|\w+_s|\w+_ms)$")
+    checked = []
+    for model in (ActorConfig, CriticConfig, RewardConfig):
+        for key, field in leaves(model):
+            if bounded.search(key):
+                checked.append(key)
+                assert any(getattr(m, "le", None) is not None or getattr(m, "lt", None) is not None
+                           for m in field.metadata), f"{model.__name__}: {key} has no upper bound"
+    assert {"reward.timeout_s", "env.step_timeout_s", "batching.max_queue_delay_ms", "seed"} <= set(checked)
+    # the bounds themselves are usable values
+    cfg = load_config(ActorConfig, None, ["reward.timeout_s=2592000", "critic.keepalive_s=2147483",
+                                          "reward.max_message_mb=2047", "ppo.seed=4294967295"])
+    assert (cfg.reward.timeout_s, cfg.critic.keepalive_s, cfg.ppo.seed) == (2592000, 2147483, 2**32 - 1)
+
+
+def test_an_empty_directory_is_refused_naming_the_key_and_nothing_lands_in_the_working_directory(tmp_path,
+                                                                                               monkeypatch, capsys):
+    """`--checkpoint-dir ''` and `run_dir=` skipped the writability check and wrote checkpoints, .lock and run_id
+    into the directory the service was started from (F3)."""
+    from actor.__main__ import FLAGS as ACTOR_FLAGS
+    from critic_server.__main__ import FLAGS as CRITIC_FLAGS
+    from serving.config import parse_cli
+
+    monkeypatch.chdir(tmp_path)
+    for model, argv, flags, key in ((CriticConfig, ["--checkpoint-dir", ""], CRITIC_FLAGS, "checkpoint_dir"),
+                                    (ActorConfig, ["run_dir="], ACTOR_FLAGS, "run_dir"),
+                                    (ActorConfig, ["--run-dir", " "], ACTOR_FLAGS, "run_dir")):
+        with pytest.raises(SystemExit) as e:
+            parse_cli(model, argv, "test", flags, writes=(key,))
+        assert e.value.code == 2
+        assert f"{key}: must not be empty; expected a directory (. for the working directory)" in \
+            capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    for key in ("data.train_file", "data.prompt_file", "auth_token_file", "reward.tls_ca_file", "checkpointing.resume"):
+        assert f"{key}: must not be empty" in _refusal(ActorConfig, [f"{key}="])
+    for key in ("auth_token_file", "tls_cert_file", "tls_client_ca_file"):  # an empty one read as unset: no token, no TLS
+        assert f"{key}: must not be empty; expected the path of a file" in _refusal(RewardConfig, [f"{key}="])
+
+
+@pytest.mark.parametrize("override, words", [
+    ("http_port=010", "http_port: YAML 1.1 reads 010 as the octal number 8; write 10 without the leading zero"),
+    ("ppo.seed=0123", "ppo.seed: YAML 1.1 reads 0123 as the octal number 83; write 123"),
+    ("ppo.max_num_steps=1:30", "ppo.max_num_steps: YAML 1.1 reads 1:30 as the base-60 number 90"),
+    ("policy.optimizer.kwargs.lr=1:30.5", "policy.optimizer.kwargs.lr: YAML 1.1 reads 1:30.5 as the base-60 number"),
+    ("policy.generation.stop_token_ids=[5, 010]", "policy.generation.stop_token_ids: YAML 1.1 reads 010 as the octal"),
+])
+def test_yaml_1_1_numbers_that_read_otherwise_than_written_are_refused_naming_the_key(override, words, tmp_path):
+    """`--port 077777` listened on 32767, `ppo.seed=0123` seeded 83, `1:30` steps ran 90 (F4): in a file, an override
+    and a flag alike the key is named, with how to write it."""
+    assert words in _refusal(ActorConfig, [override])
+    key, _, value = override.partition("=")
+    *sections, leaf = key.split(".")
+    text = "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections)) + f"{'  ' * len(sections)}{leaf}: {value}\n"
+    (tmp_path / "c.yaml").write_text(text)
+    assert words in _refusal(ActorConfig, [], tmp_path / "c.yaml")
+
+
+def test_a_yaml_1_1_number_on_a_flag_is_refused_and_plain_or_explicit_forms_pass(capsys):
+    from reward_server.__main__ import FLAGS
+    from serving.config import parse_cli
+
+    with pytest.raises(SystemExit) as e:
+        parse_cli(RewardConfig, ["--port", "077777"], "test", FLAGS)
+    assert e.value.code == 2
+    assert "port: YAML 1.1 reads 077777 as the octal number 32767; write 77777" in capsys.readouterr().err
+    # a leading zero that changes nothing, hex, digit groups: what they say
+    cfg = load_config(ActorConfig, None, ["ppo.seed=07", "ppo.max_num_steps=0x1F", "ppo.val_period=1_000"])
+    assert (cfg.ppo.seed, cfg.ppo.max_num_steps, cfg.ppo.val_period) == (7, 31, 1000)
+    # a key that holds text takes it as written
+    cfg = load_config(ActorConfig, None, ["critic.address=10:20", "checkpointing.checkpoint_must_save_by=1:30:00"])
+    assert (cfg.critic.address, cfg.checkpointing.must_save_by_s) == ("10:20", 5400)
+
+
+@pytest.mark.parametrize("address, words", [
+    ("abc", "no :port"),
+    ("127.0.0.1:99999", "the port '99999' is no number from 1 to 65535"),
+    ("127.0.0.1:0", "the port '0' is no number from 1 to 65535"),
+    ("http://127.0.0.1:5556", "a gRPC address takes no URL scheme"),
+    (":5556", "no host before the :port"),
+    ("::1:5556", "an IPv6 address goes in brackets, as in [::1]:5555"),
+    ("'[fe80::zz]:5556'", "'fe80::zz' in brackets is no IPv6 address"),
+    ("ipv4:10.0.0.1:5555,host:5555", "'host' is no ipv4 address"),
+    ("unix:", "no socket path after unix:"),
+])
+def test_a_malformed_server_address_is_refused_when_the_config_is_read(address, words):
+    """A bad reward.address cost connect_timeout_s (120 s) after the models loaded, then a misleading reason: `abc`
+    and `http://...` 'do not resolve', port 99999 'nothing listens' (F5)."""
+    for key in ("reward.address", "critic.address"):
+        message = _refusal(ActorConfig, [f"{key}={address}"])
+        assert f"{key}: " in message and "is no gRPC address" in message and words in message, message
+        assert "expected host:port" in message
+
+
+def test_every_address_form_grpc_dials_passes_and_reward_urls_are_checked():
+    for address in ("gpu-1:5555", "'[::1]:5555'", "dns:///rm:5556", "dns://8.8.8.8/rm:5556", "unix:/run/critic.sock",
+                    "unix-abstract:critic", "ipv4:127.0.0.1:5555,192.0.2.2:5555", "'ipv6:[::1]:5555,[::2]:5555'"):
+        assert load_config(ActorConfig, None, [f"reward.address={address}"]).reward.address == address.strip("'")
+    for url, words in (("notaurl", "its scheme is not http:// or https://"), ("ftp://h/x", "its scheme is not"),
+                       ("http:///get_reward", "it names no host"), ("http://h:99999/x", "its port is no number")):
+        message = _refusal(ActorConfig, ["reward.source=openrlhf", f"reward.url={url}"])
+        assert f"reward.url: {url!r} is no URL the reward client can POST to: {words}" in message, message
+    assert load_config(ActorConfig, None, ["reward.url=https://rm:8002/get_reward"]).reward.url
+
+
+def test_a_server_with_one_port_for_both_or_an_empty_host_is_refused():
+    """`--port 5 --http-port 5` failed to bind with 'is the port taken?'; an empty host passed and was treated as a
+    public one (F6)."""
+    assert "port and http_port are both 32105: the gRPC and the REST server need a port each" in \
+        _refusal(RewardConfig, ["port=32105", "http_port=32105"])
+    assert load_config(CriticConfig, None, ["port=0", "http_port=0"]).port == 0  # two ephemeral ports
+    assert "host: must not be empty; expected a host name or address" in _refusal(CriticConfig, ["host="])
+    assert "host: must not be empty" in _refusal(ActorConfig, ["host="])
+
+
+def test_bind_failures_say_whether_the_host_or_the_port_is_at_fault():
+    from serving.startup import bind_failure
+
+    assert "host 'no-such-host.invalid' does not resolve" in bind_failure("no-such-host.invalid", 5555, "gRPC", "port")
+    assert "192.0.2.1 is no address of this machine" in bind_failure("192.0.2.1", 5555, "gRPC", "port")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert bind_failure("127.0.0.1", port, "HTTP", "http_port") == \
+            (f"cannot listen on 127.0.0.1:{port} (HTTP): the port is taken (another process listens on it); set "
+             "http_port to a free port")
+
+
+def test_a_config_nested_too_deeply_is_refused_naming_the_file(tmp_path):
+    """5000 nested lists were a RecursionError traceback (F7)."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert f"config file {deep}: nested too deeply to read" in _refusal(RewardConfig, [], deep)
+    assert "override components=...: the value is nested too deeply" in \
+        _refusal(RewardConfig, ["components=" + "[" * 5000 + "]" * 5000])
+
+
+def test_a_config_from_a_pipe_or_dev_null_is_read_and_an_empty_path_is_named(tmp_path):
+    """`--config <(envsubst < c.yaml)` and /dev/null were 'does not exist'; `--config ''` was '. is a directory'
+    (F8)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("seed: 7\n"), daemon=True)  # blocks until read
+    writer.start()
+    assert load_config(RewardConfig, fifo).seed == 7
+    writer.join()
+    assert load_config(RewardConfig, "/dev/null") == RewardConfig()
+    assert _refusal(RewardConfig, [], "") == ("config file: the path is empty; name a YAML file, or leave --config "
+                                              "out for the defaults")
+    assert "is a directory" in _refusal(RewardConfig, [], tmp_path)
+
+
+@pytest.mark.parametrize("model, key", [(ActorConfig, "policy.model_name"), (ActorConfig, "policy.reference_model_name"),
+                                        (CriticConfig, "model"), (CriticConfig, "reward_model"),
+                                        (RewardConfig, "model"), (RewardConfig, "tokenizer")])
+def test_an_empty_model_name_is_refused_naming_the_key(model, key):
+    """`policy.model_name=` failed in transformers about sentencepiece; `--model ''` with 'Unrecognized model' (F9)."""
+    assert (f"{key}: must not be empty; expected a model directory, a hub id or embedded:<name>"
+            in _refusal(model, [f"{key}="]))
+
+
+def test_a_key_given_twice_on_the_command_line(capsys, caplog):
+    """Two spellings of one key (`grpo.seed` and `ppo.seed`), a flag twice and --config twice are refused naming it;
+    one key repeated is applied in order with a warning (commands built from a base list and one run's settings
+    repeat keys) (F10)."""
+    from actor.__main__ import FLAGS
+    from serving.config import parse_cli
+
+    assert _refusal(ActorConfig, ["grpo.seed=1", "ppo.seed=2"]) == \
+        "ppo.seed is given twice on the command line, as 'grpo.seed=1' and 'ppo.seed=2': give it once"
+    with caplog.at_level("WARNING", logger="serving.config"):
+        assert load_config(ActorConfig, None, ["ppo.seed=1", "ppo.seed=2"]).ppo.seed == 2
+    assert caplog.messages == [("ppo.seed is given twice on the command line (ppo.seed=1, then ppo.seed=2): the last "
+                                "one applies")]
+    for argv, flag in ((["--run-dir", "a", "--run-dir", "b"], "--run-dir"),
+                       (["--config", "configs/ppo.yaml", "--config", "configs/grpo.yaml"], "--config")):
+        with pytest.raises(SystemExit) as e:
+            parse_cli(ActorConfig, argv, "test", FLAGS)
+        assert e.value.code == 2 and f"error: {flag} is given twice: give it once" in capsys.readouterr().err
+
+
+def test_the_demo_leaves_its_own_actor_settings_to_the_user_s_overrides():
+    """`python -m actor.demo checkpointing.resume=auto` (README) and the bench's `num_threads=2` set keys the demo
+    sets too: its own are left out, so the actor sees each key once and the user's value."""
+    from actor.demo import unless_given
+
+    own = ["http_port=0", "num_threads=1", "checkpointing.resume=never", "ppo.seed=1"]
+    assert unless_given(own, ["checkpointing.resume=auto", "num_threads=2", "grpo.seed=3"]) == ["http_port=0"]
+    assert unless_given(own, []) == own
+
+
+def test_messages_name_what_was_written(tmp_path, monkeypatch):
+    """A null section, an environment option without an environment, a text key YAML read as something else and a
+    typo in a file's grpo section were reported misleadingly (F11)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("policy:\n  # model_name: x\n")  # every key commented out: the section's defaults
+    assert load_config(ActorConfig, path, ["policy.model_name=embedded:policy"]).policy == ActorConfig().policy
+    assert load_config(ActorConfig, path).policy == ActorConfig().policy
+    assert load_config(ActorConfig, None, ["policy.lora.rank=4"]).policy.lora.rank == 4
+    assert "env.bogus set without env.name: name the environment" in _refusal(ActorConfig, ["env.bogus=1"])
+    cfg = load_config(ActorConfig, None, ["host=::", "run_dir=~", "critic.address=10:20", "data.prompt_key=yes"])
+    assert (cfg.host, cfg.run_dir, cfg.critic.address, cfg.data.prompt_key) == ("::", str(tmp_path), "10:20", "yes")
+    path.write_text("data:\n  prompt_key: yes\n")
+    assert "data.prompt_key: expected text, got True: YAML read the value as bool; quote it to keep it as written" in \
+        _refusal(ActorConfig, [], path)
+    path.write_text("grpo:\n  max_num_step: 3\n")
+    message = _refusal(ActorConfig, [], path)
+    assert "grpo.max_num_step: unknown key" in message and "ppo.max_num_step" not in message
+
+
+def test_a_critic_keeping_autosaves_it_never_makes_is_refused():
+    """autosave_keep=3 with autosave_every=0 started with no word about it (F13)."""
+    assert "autosave_keep=3 keeps autosaves, but autosave_every=0 makes none" in _refusal(CriticConfig,
+                                                                                         ["autosave_keep=3"])
+    assert load_config(CriticConfig, None, ["autosave_keep=3", "autosave_every=1"]).autosave_keep == 3
+    assert "policy.generation.stop_token_ids.0: Input should be greater than or equal to 0" in \
+        _refusal(ActorConfig, ["policy.generation.stop_token_ids=[-1]"])

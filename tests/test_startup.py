@@ -259,3 +259,41 @@ def test_the_same_event_loop_error_is_logged_once_per_interval_with_the_count_he
     time.sleep(0.25)
     handler(loop, {"message": "socket.accept() out of system resource"})
     assert loop.logged[-1].startswith("socket.accept() out of system resource (999 more like it in the last")
+
+
+def test_a_host_that_does_not_resolve_is_named_as_the_reason_a_server_cannot_listen(tmp_path):
+    """Every bind failure was put down to the port ('is the port taken?'), a host that does not resolve too (F6)."""
+    done = subprocess.run([sys.executable, "-m", "reward_server", "--scorer", "positive_fraction", "--port", "0",
+                           "--http-port", "0", "--host", "no-such-host.invalid", "--allow-insecure"], cwd=ROOT,
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert ("reward cannot listen on no-such-host.invalid:0 (gRPC): host 'no-such-host.invalid' does not resolve"
+            in done.stderr), done.stderr[-2000:]
+    assert "is the port taken" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_cache_that_cannot_hold_the_embedded_models_is_named(tmp_path):
+    """PPO_SERVICES_CACHE naming a file was 'cannot load its model: FileExistsError: [Errno 17] File exists' (F12)."""
+    (tmp_path / "a-file").write_text("")
+    done = subprocess.run([sys.executable, "-m", "reward_server", "--port", "0", "--http-port", "0"], cwd=ROOT,
+                          check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PPO_SERVICES_CACHE": str(tmp_path / "a-file")})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert (f"PPO_SERVICES_CACHE={tmp_path / 'a-file'}: cannot hold the embedded default models "
+            f"({tmp_path / 'a-file'}: a file, not a directory)") in done.stderr, done.stderr[-2000:]
+    assert "FileExistsError" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_stop_token_past_the_vocabulary_is_refused_before_the_actor_loads_its_models(embedded_cache, tmp_path):
+    """A stop token the policy can never sample was accepted, and the run went on without the stop it asked for
+    (F13)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(actor_command("grpo", tmp_path / "run", "policy.generation.stop_token_ids=[5, 99999]",
+                                        f"reward.address=127.0.0.1:{port}", "reward.connect_timeout_s=2"),
+                          cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert ("error: policy.generation.stop_token_ids=[5, 99999]: 99999 is past the vocabulary of embedded:policy (51 "
+            "ids, 0 to 50), so the policy can never sample it") in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before the run directory is taken
