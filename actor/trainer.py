@@ -363,7 +363,12 @@ class PPOTrainer:
         self.servers.watch_critic()
         self.servers.watch_reward()
         with t("rollout_time"):
-            batch, gen_batches = self.rollouts.collect(step)
+            try:
+                batch, gen_batches = self.rollouts.collect(step)
+            except RemoteError as e:  # a server restarted with other settings may refuse what the run sends: say
+                if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # that (IncompatibleServer), not only its refusal
+                    self.servers.watch_reward()
+                raise
         # again: a server restarted with other settings while it scored (or valued) this step's batches would have
         # mixed two meanings of reward in it
         self.servers.watch_reward()
