@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from serving.config import parse_cli
-from serving.startup import bind_failure, imports_without_gc
+from serving.startup import imports_without_gc
 
 from .config import ActorConfig
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         from serving.codec import retain_freed_memory
         from serving.errors import DISK_FULL  # a full disk: the run stops saying so, without a traceback
         from serving.modeling import CompileUnavailable, DeviceUnavailable
-        from serving.rest import PortTaken
+        from serving.rest import PortTaken, bind_failure
         from serving.security import SecurityError
 
         from .advantages import MissingRewardComponents

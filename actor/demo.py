@@ -98,10 +98,12 @@ def plan(cfg, ports: dict[str, tuple[int, int]], thread_budget: str,
 def unless_given(own: list[str], overrides: list[str]) -> list[str]:
     """The demo's own `key=value` settings for the actor but those whose key the user's `overrides` set (the actor
     refuses a key given twice; the user's wins, as in `python -m actor.demo checkpointing.resume=auto`)."""
+    from serving.config import canonical_override
+
+    from .config import ActorConfig
 
     def key(override: str) -> str:
-        name = override.partition("=")[0]
-        return "ppo." + name.removeprefix("grpo.") if name.startswith("grpo.") else name
+        return canonical_override(ActorConfig, override).partition("=")[0]
 
     given = {key(o) for o in overrides}
     return [o for o in own if key(o) not in given]

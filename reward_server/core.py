@@ -355,7 +355,7 @@ class RewardCore:
                                       f"{self.max_length}")
         tokens, lengths = right_pad(ids, self.pad_id)
         check_tokens(tokens, field, self.vocab_size, self.max_length, self.cfg.max_request_rows)
-        return token_ids(tokens, lengths, field, self.vocab_size), lengths
+        return tokens, lengths  # every id checked above, row by row; the padding is the tokenizer's pad id
 
     # --- scoring --------------------------------------------------------------------------------
     def score_batch(self, requests: list[ScoreInput]) -> list[ScoreOutput]:

@@ -7,8 +7,9 @@ both protocols are merged into one forward pass.
 
 OpenRLHF passes its dataset's labels through as they are, so a label may be any JSON value: a string is used as
 it is, a number in plain decimal (42 -> "42", 1e-05 -> "0.00001"), anything else as its JSON text (null -> "null",
-[1, 2] -> "[1, 2]"). A query that does not start with its prompt (OpenRLHF truncates long prompts) is scored whole. What standard JSON and UTF-8 cannot
-carry (NaN, Infinity, lone surrogates) is refused with 400 (422 where a string is due) naming the field.
+[1, 2] -> "[1, 2]"). A query that does not start with its prompt (OpenRLHF truncates long prompts) is scored whole.
+What standard JSON and UTF-8 cannot carry (NaN, Infinity, lone surrogates) is refused with 400 (422 where a string
+is due) naming the field.
 
 OpenRLHF decodes its padded batch with the special tokens kept, so a query may begin with pad text and end with
 pad text after its EOS. As OpenRLHF's own reward server, this one drops runs of pad (and EOS) text at the start of
@@ -152,17 +153,15 @@ def unpadded(tokenizer: PreTrainedTokenizerBase | None) -> Callable[..., str]:
 
 
 def _label_text(value: Any, field: str) -> str:
-    """A label as the scorers see it: a string as it is, any other JSON value as its JSON text."""
-    if isinstance(value, str):
-        text = value
-    else:
-        try:
-            text = label_text(value)  # a number in plain decimal: 1e-05 is 0.00001
-        except ValueError:
-            raise InvalidArgument(f"{field}: NaN and Infinity (or a number beyond float range) are not JSON "
-                                  "numbers") from None
-        except RecursionError:
-            raise InvalidArgument(f"{field}: nested too deeply") from None
+    """A label as the scorers see it (serving.labels.label_text), as the actor sends it; InvalidArgument naming
+    `field` for what JSON cannot carry."""
+    try:
+        text = label_text(value)
+    except ValueError:
+        raise InvalidArgument(f"{field}: NaN and Infinity (or a number beyond float range) are not JSON "
+                              "numbers") from None
+    except RecursionError:
+        raise InvalidArgument(f"{field}: nested too deeply") from None
     _check_unicode(text, field)
     return text
 

@@ -337,6 +337,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def canonical_override(model: type[BaseModel], override: str) -> str:
+    """`override` (`key=value`) with its section called by its own name where it names an alias of it (`grpo.seed=1`
+    -> `ppo.seed=1`, `model.section_aliases`)."""
+    aliases: dict[str, str] = getattr(model, "section_aliases", {})
+    head, dot, rest = override.partition(".")
+    return f"{aliases[head]}.{rest}" if dot and head in aliases else override
+
+
 def load_config(model: type[Cfg], path: str | Path | None = None, overrides: list[str] | None = None) -> Cfg:
     """Read YAML `path` (optional), apply dotted overrides, validate into `model`. A key given twice among the
     overrides is refused where its two spellings differ (`grpo.seed` and `ppo.seed`); the same spelling twice is
@@ -354,8 +362,7 @@ def load_config(model: type[Cfg], path: str | Path | None = None, overrides: lis
             renamed[name] = alias
     given: dict[str, str] = {}
     for as_given in overrides or []:
-        head, dot, rest = as_given.partition(".")
-        override = f"{aliases[head]}.{rest}" if dot and head in aliases else as_given
+        override = canonical_override(model, as_given)
         key = override.partition("=")[0]
         if key in given and "=" in override:
             if given[key].partition("=")[0] != as_given.partition("=")[0]:  # two spellings: which one was meant?

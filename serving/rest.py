@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import gzip
 import logging
 import math
@@ -23,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .security import CLIENT_CERTIFIED, route_path
+from .wire import bare_host
 
 # No `*_created` series beside each counter and histogram: the text format shows each as a gauge family of its own,
 # doubling what every scrape stores. Every service (the actor too) serves /metrics through this module.
@@ -420,8 +422,8 @@ def bind_http(host: str, port: int) -> socket.socket:
     or thread on failure: a service would die mid-start (or, in a thread, go on without its endpoints) instead of
     stopping with an error that names the port."""
     sock = None
-    try:  # an IPv6 literal may come bracketed, as in a URL ([::1]); getaddrinfo takes it bare
-        family, kind, proto, _, address = socket.getaddrinfo(host.removeprefix("[").removesuffix("]"), port,
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(bare_host(host), port,
                                                              type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
@@ -432,6 +434,32 @@ def bind_http(host: str, port: int) -> socket.socket:
             sock.close()
         raise PortTaken(f"cannot listen on {host}:{port} (HTTP): {e.strerror or e}; is the port taken?") from e
     return sock
+
+
+def bind_failure(host: str, port: int, what: str, key: str) -> str:
+    """Why `host:port` (config keys `host` and `key`) could not be listened on by `what` (gRPC, HTTP), for a bind that
+    has just failed: probed again with a plain socket, to tell a host that does not resolve or is no address of this
+    machine from a port another process holds (every such failure used to be put down to the port)."""
+    bare = bare_host(host)
+    where = f"cannot listen on {host}:{port} ({what})"
+    try:
+        addresses = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"{where}: host {host!r} does not resolve ({e.strerror}); set host to a name or address of this machine"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no owner
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return f"{where}: the port is taken (another process listens on it); set {key} to a free port"
+                if e.errno == errno.EADDRNOTAVAIL:
+                    return f"{where}: {host} is no address of this machine; set host to one of its addresses"
+                if e.errno == errno.EACCES:
+                    return f"{where}: permission denied (ports below 1024 need privileges); set {key} to a port above"
+                return f"{where}: {e.strerror or e}"
+    return f"{where}: the port was taken, or the host unusable, at that moment; {key} and host bind now"
 
 
 def start_ops_thread(app: FastAPI, host: str, port: int) -> QuietUvicorn:

@@ -32,9 +32,9 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from starlette.routing import Match
 
-from .config import StrictModel
+from .config import FilePath, StrictModel
 from .metrics import ServiceMetrics
-from .wire import is_known_method
+from .wire import bare_host, is_known_method
 
 TOKEN_ENV = "PPO_SERVICES_AUTH_TOKEN"
 _METHOD_PATH = re.compile(r"/([A-Za-z_][\w.]*)/([A-Za-z_]\w*)")
@@ -47,14 +47,14 @@ log = logging.getLogger(__name__)
 class SecurityConfig(StrictModel):
     """Authentication and transport security of a server."""
 
-    auth_token_file: str | None = Field(
+    auth_token_file: FilePath | None = Field(
         None, description=f"File holding the shared bearer token every call must carry (the environment variable "
         f"{TOKEN_ENV} is read when this is unset); probes (gRPC health and reflection, /health, /ready, /metrics) "
         "stay open.")
     allow_insecure: bool = Field(False, description="Listen on a non-loopback host with no token and no TLS anyway.")
-    tls_cert_file: str | None = Field(None, description="PEM certificate chain: serve gRPC and REST over TLS.")
-    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
-    tls_client_ca_file: str | None = Field(
+    tls_cert_file: FilePath | None = Field(None, description="PEM certificate chain: serve gRPC and REST over TLS.")
+    tls_key_file: FilePath | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: FilePath | None = Field(
         None, description="PEM CA bundle: clients must present a certificate it signed (mutual TLS), on every gRPC "
         "call and every REST route but the probes (/health, /ready, /metrics), which need none.")
 
@@ -152,7 +152,7 @@ def is_loopback(host: str) -> bool:
     """True when `host` is a loopback address, or a name every address of which is one (`localhost` resolved, not
     trusted by its name: a hosts file may point it elsewhere). A name that does not resolve is not loopback."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(bare_host(host)).is_loopback
     except ValueError:
         pass
     try:

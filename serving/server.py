@@ -46,6 +46,7 @@ from .rest import (
     Throttle,
     TimedHandshakeLoop,
     add_ops_routes,
+    bind_failure,
     bind_http,
     flush_client_noise,
     uvicorn_config,
@@ -60,10 +61,10 @@ from .security import (
     check_exposure,
     load_token,
     report_certificate,
+    route_path,
     server_credentials,
 )
 from .server_config import ServerConfig
-from .startup import bind_failure
 from .wire import add_parsing_service, grpc_host, grpc_options, is_known_method, receive_limit_bytes
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class Service:
             """A REST body FastAPI rejects (422) counts as an INVALID_ARGUMENT request of its route. The detail
             names each bad field (`loc`) without echoing its input, which may be what JSON cannot carry back
             (NaN, a lone surrogate) and would turn the 422 into a 500."""
-            self.metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
+            self.metrics.record_request(route_path(request.scope).strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
             detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
             return JSONResponse({"detail": detail}, status_code=422)
 
@@ -288,7 +289,7 @@ class Service:
             named. Any other HTTP error (404 for an unknown path, 405) is answered as FastAPI answers it."""
             if exc.status_code != 400 or exc.__cause__ is None:
                 return await http_exception_handler(request, exc)
-            self.metrics.record_request(request.url.path.strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
+            self.metrics.record_request(route_path(request.scope).strip("/"), grpc.StatusCode.INVALID_ARGUMENT.name)
             cause = exc.__cause__
             reason = "nested too deeply" if isinstance(cause, RecursionError) else f"{type(cause).__name__}: {cause}"
             return JSONResponse({"detail": f"body: cannot be parsed as JSON ({reason[:300]})"}, status_code=400)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from .config import (
     MAX_GRPC_MS_S,
@@ -95,14 +95,6 @@ class ServerConfig(SecurityConfig):
                                   "Results equal unpacked ones up to float rounding.")
     trust_remote_code: bool = Field(False, description="Let transformers run the model code a checkpoint ships (the auto_map of its config.json) for the model and tokenizer: only for checkpoints you trust. The critic copies those code files into its checkpoints.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
-
-    @field_validator("auth_token_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
-    @classmethod
-    def _no_empty_file(cls, value: str | None) -> str | None:
-        """An empty path read as unset, and the server started without the token or TLS that was asked for."""
-        if value is not None and not value.strip():
-            raise ValueError("must not be empty; expected the path of a file (leave the key out for none)")
-        return value
 
     @model_validator(mode="after")
     def _a_port_each(self) -> ServerConfig:

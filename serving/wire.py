@@ -29,9 +29,15 @@ HEADROOM = 2
 FIXED_BYTES = 1 * MIB  # lengths, request id, labels, framing
 
 
+def bare_host(host: str) -> str:
+    """`host` without the brackets an IPv6 literal may come in, as in a URL (`[::1]` -> `::1`), which getaddrinfo
+    and ipaddress take bare."""
+    return host.removeprefix("[").removesuffix("]")
+
+
 def grpc_host(host: str) -> str:
     """`host` as a gRPC address takes it: an IPv6 literal in brackets (`::1` -> `[::1]`), anything else as it is."""
-    bare = host.removeprefix("[").removesuffix("]")
+    bare = bare_host(host)
     return f"[{bare}]" if ":" in bare else host
 
 

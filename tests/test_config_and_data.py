@@ -752,7 +752,7 @@ def test_a_server_with_one_port_for_both_or_an_empty_host_is_refused():
 
 
 def test_bind_failures_say_whether_the_host_or_the_port_is_at_fault():
-    from serving.startup import bind_failure
+    from serving.rest import bind_failure
 
     assert "host 'no-such-host.invalid' does not resolve" in bind_failure("no-such-host.invalid", 5555, "gRPC", "port")
     assert "192.0.2.1 is no address of this machine" in bind_failure("192.0.2.1", 5555, "gRPC", "port")
